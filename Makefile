@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make bench` (the main job) and `make test` (the suite).
+# Both create .venv when it is missing and install the package with its pinned dev dependencies.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.nostall-installed
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+
+.PHONY: bench test lint typecheck check clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned, so that nothing later can pull a newer (CUDA, multi-GB) build.
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	touch $(STAMP)
+
+bench: $(STAMP)
+	$(VENV)/bin/nostall bench
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""nostall keeps the GPU fed: it removes input-pipeline stalls from PyTorch training.
+
+``for batch in nostall.prefetch(loader): ...`` yields the loader's batches, in order, already on
+the device: fetched, pinned and copied in the background while the model computes.
+"""
+
+from ._exceptions import (
+    DeviceUnavailableError,
+    NostallError,
+    PrefetcherClosedError,
+    PrefetchTimeoutError,
+    ProducerDiedError,
+)
+from ._prefetcher import Prefetcher, PrefetchIterator, prefetch
+from ._transfer import pin_memory, to_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceUnavailableError",
+    "NostallError",
+    "PrefetchIterator",
+    "PrefetchTimeoutError",
+    "Prefetcher",
+    "PrefetcherClosedError",
+    "ProducerDiedError",
+    "__version__",
+    "pin_memory",
+    "prefetch",
+    "to_device",
+]

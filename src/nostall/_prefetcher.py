@@ -1,0 +1,394 @@
+"""The device prefetcher: batches fetched, pinned and copied in the background."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+from ._channel import BATCH, END, POLL_S, Channel, add_note, join_quietly, produce
+from ._device import DeviceLike, resolve_device
+from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
+from ._transfer import CudaStaging, Staging
+
+T = TypeVar("T")
+
+#: How long close() waits for a producer that is inside the source's __next__ (seconds).
+CLOSE_JOIN_S = 5.0
+
+_thread_ids = itertools.count()
+
+
+def prefetch(
+    source: Iterable[T],
+    device: DeviceLike = None,
+    *,
+    depth: int = 2,
+    pin_memory: bool | None = None,
+    timeout: float | None = None,
+) -> Prefetcher[T]:
+    """Wrap ``source`` so that its next batches are loaded and moved to ``device`` meanwhile.
+
+    ``for batch in nostall.prefetch(loader): ...`` yields the same batches as ``loader``, in the
+    same order, already on the device. See :class:`Prefetcher` for every guarantee.
+
+    Args:
+        source: any iterable of batches, usually a ``torch.utils.data.DataLoader``.
+        device: where batches go; ``None`` picks the current CUDA device (``LOCAL_RANK`` under
+            ``torchrun``) when CUDA is available, else the CPU.
+        depth: how many batches may be fetched ahead of the consumer (an int >= 1).
+        pin_memory: pin host tensors before copying them to a GPU (default: on for CUDA).
+        timeout: seconds to wait for one batch before raising ``PrefetchTimeoutError``.
+    """
+    return Prefetcher(source, device, depth=depth, pin_memory=pin_memory, timeout=timeout)
+
+
+class Prefetcher(Generic[T]):
+    """An iterable over ``source``'s batches, fetched ahead in a thread and moved to ``device``.
+
+    Concurrency invariants:
+        * Each ``iter()`` makes one iteration (an epoch). It takes nothing from the source until
+          its first ``next()``, which creates the source's iterator in the calling thread and
+          starts one producer thread, named ``nostall-prefetch-N``.
+        * At most ``depth`` batches have been pulled from the source and not yet handed out.
+        * At most one producer pulls from the source: a new ``iter()`` stops the previous
+          iteration, and its first ``next()`` waits for the previous producer to end.
+        * On CUDA, one copy stream per prefetcher; each batch is handed out only after the
+          consumer's current stream waits on the batch's copy event, and its tensors are
+          ``record_stream``-ed on that stream (see :class:`~nostall._transfer.CudaStaging`).
+        * An error in the source or in the transfer reaches the consumer after every batch
+          before it, as the same exception object with a note of where it happened.
+        * The producer holds no reference to the prefetcher or the iteration: dropping the
+          iteration (``break``, ``del``, garbage collection) stops its thread within
+          ``POLL_S`` seconds, or as soon as the source's ``__next__`` returns.
+
+    Lifecycle: open until :meth:`close` (idempotent; also on leaving a ``with`` block); iterating
+    a closed prefetcher raises :class:`~nostall.PrefetcherClosedError`.
+
+    Attributes not defined here (``dataset``, ``sampler``, ``batch_size``, ...) are read from the
+    source; ``len()`` is the source's length.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[T],
+        device: DeviceLike = None,
+        *,
+        depth: int = 2,
+        pin_memory: bool | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        _check_iterable(source)
+        _check_depth(depth)
+        _check_timeout(timeout)
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise ValueError(
+                f"pin_memory must be True, False or None (got {pin_memory!r} that is a "
+                f"{type(pin_memory).__name__})"
+            )
+        self._source = source
+        self.device = resolve_device(device)
+        self.depth = depth
+        self.timeout = timeout
+        if self.device.type == "cuda":
+            self.pin_memory = True if pin_memory is None else pin_memory
+            self._staging: Staging = CudaStaging(self.device, self.pin_memory)
+        else:
+            self.pin_memory = False  # pinned memory only speeds up copies to a GPU
+            self._staging = Staging(self.device)
+        self._lineage = _Lineage(_one_shot=isinstance(source, Iterator))
+        self._active: weakref.ref[PrefetchIterator[T]] | None = None
+        self._closed = False
+
+    @property
+    def source(self) -> Iterable[T]:
+        """The wrapped iterable."""
+        return self._source
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def __iter__(self) -> PrefetchIterator[T]:
+        """Start a new iteration (lazily: nothing is fetched until its first ``next()``)."""
+        if self._closed:
+            raise PrefetcherClosedError(
+                "this Prefetcher was closed; create a new one with nostall.prefetch(source) to "
+                "iterate again"
+            )
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
+        iteration: PrefetchIterator[T] = PrefetchIterator(self)
+        self._active = weakref.ref(iteration)
+        return iteration
+
+    def __len__(self) -> int:
+        return len(self._source)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not found on the Prefetcher: forward them to the source, as a
+        # drop-in replacement for a DataLoader must (dataset, sampler, batch_size, ...).
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        try:
+            source = self.__dict__["_source"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(source, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``set_epoch(epoch)`` to the first of these that has it.
+
+        The source, its ``sampler``, its ``batch_sampler``, the ``batch_sampler``'s ``sampler``,
+        its ``dataset``. Nothing happens when none has it. Call it before iterating: the
+        source's order is drawn when the iteration's first ``next()`` creates its iterator.
+        """
+        source = self._source
+        batch_sampler = getattr(source, "batch_sampler", None)
+        for target in (
+            source,
+            getattr(source, "sampler", None),
+            batch_sampler,
+            getattr(batch_sampler, "sampler", None),
+            getattr(source, "dataset", None),
+        ):
+            method = getattr(target, "set_epoch", None)
+            if callable(method):
+                method(epoch)
+                return
+
+    def close(self) -> None:
+        """Stop the current iteration and its producer thread; idempotent.
+
+        Waits up to ``CLOSE_JOIN_S`` seconds for a producer that is inside the source's
+        ``__next__`` (not at all while the interpreter is finalising).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active._stop("the Prefetcher was closed")
+        self._active = None
+        lineage = self._lineage
+        if not join_quietly(lineage.thread, CLOSE_JOIN_S) and lineage.thread is not None:
+            warnings.warn(
+                f"nostall: producer thread {lineage.thread.name!r} is still inside the source's "
+                f"__next__ after close() waited {CLOSE_JOIN_S} s; it will end when that returns",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        lineage.channel = None
+
+    def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"Prefetcher(source={_describe(self._source)}, device={str(self.device)!r}, "
+            f"depth={self.depth}, {state})"
+        )
+
+
+class _Lineage:
+    """What consecutive iterations of one Prefetcher hand on to each other.
+
+    Holds no reference to the Prefetcher or to its iterations.
+    """
+
+    __slots__ = ("channel", "exhausted", "one_shot", "thread")
+
+    def __init__(self, _one_shot: bool) -> None:
+        self.one_shot = _one_shot  # the source is its own iterator (a generator, say)
+        self.thread: threading.Thread | None = None  # the latest producer
+        self.channel: Channel | None = None  # its channel, kept for a one-shot source only
+        self.exhausted = False  # a one-shot source has ended
+
+
+_CREATED, _RUNNING, _DONE, _STOPPED = "created", "running", "done", "stopped"
+
+
+class PrefetchIterator(Iterator[T]):
+    """One iteration (an epoch) of a :class:`Prefetcher`; see there for the guarantees.
+
+    States: created (nothing fetched) -> running -> done (the source ended or raised; ``next``
+    raises ``StopIteration`` from then on) or stopped (closed, replaced or interrupted; ``next``
+    raises :class:`~nostall.PrefetcherClosedError` saying why).
+    """
+
+    def __init__(self, owner: Prefetcher[T]) -> None:
+        # Copies, not a reference to the owner: the owner may be dropped while this runs, and
+        # this object must be collectable on its own.
+        self._source = owner._source
+        self._staging = owner._staging
+        self._depth = owner.depth
+        self._timeout = owner.timeout
+        self._lineage = owner._lineage
+        self._state = _CREATED
+        self._stopped_why = ""
+        self._channel: Channel | None = None
+        self._index = 0  # batches handed out so far
+
+    def __iter__(self) -> PrefetchIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        channel = self._channel
+        if channel is None:
+            if self._state is _CREATED:
+                channel = self._start()
+            elif self._state is _STOPPED:
+                raise PrefetcherClosedError(
+                    f"this iteration was stopped: {self._stopped_why}; start a new one with "
+                    f"iter(prefetcher)"
+                )
+            else:
+                raise StopIteration
+        try:
+            kind, payload = channel.get(self._index, self._timeout)
+        except KeyboardInterrupt:
+            self._stop("interrupted by KeyboardInterrupt")
+            raise
+        if kind is BATCH:
+            self._index += 1
+            return self._staging.hand_out(payload)  # type: ignore[no-any-return]
+        self._channel = None
+        self._state = _DONE
+        if kind is END:
+            if self._lineage.one_shot:
+                self._lineage.exhausted = True
+            raise StopIteration
+        raise payload
+
+    def close(self) -> None:
+        """Stop this iteration and its producer (without waiting for it); idempotent."""
+        self._stop("close() was called on it")
+
+    def _start(self) -> Channel:
+        lineage = self._lineage
+        # Two producers must never pull from one source: wait for the previous one. A timeout
+        # here leaves this iteration as it was, so that next() can try again.
+        self._wait_for_previous_producer()
+        channel = Channel(self._depth, _describe(self._source))
+        self._state = _RUNNING
+        self._channel = channel
+        if lineage.one_shot and self._carry_over(channel):
+            return channel
+        if lineage.one_shot and lineage.exhausted:
+            warnings.warn(
+                f"nostall: the source {_describe(self._source)} is a one-shot iterator that is "
+                f"exhausted, so this epoch is empty; pass a re-iterable source (a DataLoader, a "
+                f"list, or an object whose __iter__ returns a new iterator) to iterate again",
+                UserWarning,
+                stacklevel=3,
+            )
+            channel.slots.acquire()
+            channel.put(END, 0)
+            return channel
+        try:
+            batches = iter(self._source)
+        except BaseException as e:
+            self._channel, self._state = None, _DONE
+            add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
+            raise
+        thread = threading.Thread(
+            target=produce,
+            args=(channel, batches, self._staging),
+            name=f"nostall-prefetch-{next(_thread_ids)}",
+            daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
+        )
+        del batches  # the producer owns the source's iterator now
+        channel.thread = thread
+        lineage.thread = thread
+        lineage.channel = channel if lineage.one_shot else None
+        thread.start()
+        return channel
+
+    def _wait_for_previous_producer(self) -> None:
+        previous = self._lineage.thread
+        if previous is None:
+            return
+        waited = 0.0
+        while previous.is_alive():
+            if self._timeout is not None and waited >= self._timeout:
+                raise PrefetchTimeoutError(
+                    f"the previous iteration's producer thread {previous.name!r} is still inside "
+                    f"next(source) after timeout={self._timeout} s; a new iteration cannot start "
+                    f"until it returns, since two threads must not pull from one source"
+                )
+            previous.join(POLL_S)
+            waited += POLL_S
+
+    def _carry_over(self, channel: Channel) -> bool:
+        """Move batches a stopped iteration of a one-shot source fetched but never handed out.
+
+        Returns True when the carried messages include the end of the source or its error, so
+        that no producer is needed.
+        """
+        previous = self._lineage.channel
+        self._lineage.channel = None
+        if previous is None:
+            return False
+        for kind, payload in previous.drain():
+            channel.slots.acquire()  # never blocks: the old channel held at most depth
+            channel.put(kind, payload)
+            if kind is not BATCH:
+                return True
+        return False
+
+    def _stop(self, why: str) -> None:
+        if self._state in (_DONE, _STOPPED):
+            return
+        self._state = _STOPPED
+        self._stopped_why = why
+        if self._channel is not None:
+            self._channel.stop.set()
+            self._channel = None
+
+    def __del__(self) -> None:
+        # Runs when the consumer drops the iteration (break, del, garbage collection); only
+        # signals, never joins, since a finaliser must not block.
+        channel = self.__dict__.get("_channel")
+        if channel is not None:
+            channel.stop.set()
+
+
+def _describe(source: object) -> str:
+    return type(source).__qualname__
+
+
+def _check_iterable(source: object) -> None:
+    cls = type(source)
+    if callable(getattr(cls, "__iter__", None)) or callable(getattr(cls, "__getitem__", None)):
+        return
+    raise TypeError(
+        f"nostall.prefetch() needs an iterable source such as a DataLoader (got {source!r:.80} "
+        f"that is a {cls.__qualname__}); pass the loader itself, not one of its batches"
+    )
+
+
+def _check_depth(depth: object) -> None:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(
+            f"depth must be an int >= 1, the number of batches fetched ahead (got {depth!r} "
+            f"that is a {type(depth).__name__}); 2 is a good start"
+        )
+
+
+def _check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(
+            f"timeout must be None or a number of seconds > 0 (got {timeout!r} that is a "
+            f"{type(timeout).__name__})"
+        )

@@ -1,0 +1,207 @@
+"""Moving batches between host and device, and staging them on a side CUDA stream.
+
+The public helpers :func:`to_device` and :func:`pin_memory` work on any nested batch. The staging
+classes are the two halves of a prefetcher's transfer: :meth:`Staging.stage` runs in the producer
+thread, :meth:`Staging.hand_out` in the consumer thread, once per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from ._device import DeviceLike, resolve_device
+from ._exceptions import DeviceUnavailableError
+from ._tree import UNHANDLED, iter_tensors, map_tensors
+
+T = TypeVar("T")
+
+
+def to_device(batch: T, device: DeviceLike, non_blocking: bool = False) -> T:
+    """Return ``batch`` with every tensor moved to ``device``, every container kept as its type.
+
+    Tensors are moved with ``Tensor.to``; objects with their own ``.to()`` method are asked to move
+    themselves (called as ``.to(device, non_blocking=...)``, falling back to ``.to(device)`` when
+    they do not accept ``non_blocking``). Strings, bytes, numbers, None and other objects are
+    returned unchanged. See :mod:`nostall._tree` for the containers that are rebuilt.
+
+    Args:
+        batch: a tensor or any nested structure holding tensors.
+        device: where to move them (see :func:`nostall.prefetch` for what is accepted).
+        non_blocking: passed to ``Tensor.to``. Only a copy from pinned host memory to a GPU is
+            truly asynchronous, and reading the result on another stream needs a wait first.
+
+    Raises:
+        DeviceUnavailableError: ``device`` does not exist on this machine.
+    """
+    dev = resolve_device(device)
+    return map_tensors(
+        batch,
+        lambda t: t.to(dev, non_blocking=non_blocking),
+        lambda obj: _call_to(obj, dev, non_blocking),
+    )
+
+
+def pin_memory(batch: T) -> T:
+    """Return ``batch`` with every CPU tensor in page-locked (pinned) memory.
+
+    Tensors already pinned or not on the CPU are returned as they are; objects with their own
+    ``.pin_memory()`` method are asked to pin themselves. Pinned memory is what lets a copy to a
+    GPU run asynchronously (``non_blocking=True``).
+
+    Raises:
+        DeviceUnavailableError: no CUDA device is present; pinning needs one, and only helps
+            copies to one.
+    """
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError(
+            "pin_memory() needs CUDA: pinned memory is page-locked for copies to a GPU, and no "
+            "CUDA device is available here; without a GPU there is nothing to pin for, so skip "
+            "this call (nostall.prefetch does so by itself on the CPU)"
+        )
+    return map_tensors(batch, _pin_tensor, _call_pin_memory)
+
+
+def _pin_tensor(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu" or t.is_pinned():
+        return t
+    return t.pin_memory()
+
+
+def _call_pin_memory(obj: Any) -> Any:
+    method = getattr(obj, "pin_memory", None)
+    return method() if callable(method) else UNHANDLED
+
+
+def _call_to(obj: Any, device: torch.device, non_blocking: bool) -> Any:
+    method = getattr(obj, "to", None)
+    if not callable(method):
+        return UNHANDLED
+    if not non_blocking:
+        return method(device)
+    try:
+        return method(device, non_blocking=True)
+    except TypeError:
+        # Their .to() does not take non_blocking; a blocking copy is still correct.
+        return method(device)
+
+
+class Staged(NamedTuple):
+    """A batch moved by the producer, not yet handed to the consumer."""
+
+    batch: Any
+    #: Recorded on the copy stream after the batch's copies were queued; ``None`` off CUDA.
+    ready: torch.cuda.Event | None
+    #: The CUDA tensors to mark as used by the consumer's stream (``record_stream``).
+    tensors: list[torch.Tensor]
+
+
+class Staging:
+    """Moves batches to a device that needs no stream handling (CPU, MPS, ...).
+
+    ``stage`` runs in the producer thread, ``hand_out`` in the consumer thread.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start_thread(self) -> None:
+        """Prepare the producer thread; called once in it before the first batch.
+
+        Torch ops run by the source in this thread get one intra-op thread (a thread-local
+        setting, as in PyTorch's own pin-memory thread and DataLoader workers): with more, each
+        calling thread brings its own OpenMP team whose spinning threads take the cores the
+        model's step needs (measured: a prefetched CPU epoch ran slower than the serial one).
+        """
+        torch.set_num_threads(1)
+
+    def stage(self, batch: Any) -> Staged:
+        """Move ``batch`` to the device (producer thread)."""
+        device = self.device
+        moved = map_tensors(
+            batch,
+            lambda t: t if t.device == device else t.to(device),
+            lambda obj: _call_to(obj, device, False),
+        )
+        return Staged(moved, None, [])
+
+    def hand_out(self, staged: Staged) -> Any:
+        """Return the batch, ready for use by the calling thread (consumer thread)."""
+        return staged.batch
+
+
+class CudaStaging(Staging):
+    """Pins and copies batches on one side stream; the consumer's stream waits for each batch.
+
+    Invariants:
+        * One copy stream per instance, created here and never replaced (streams per epoch would
+          grow reserved memory).
+        * A batch is handed out only after the consumer's current stream waits on the event
+          recorded after its copies, so no kernel can read it early.
+        * Every CUDA tensor of a handed-out batch is ``record_stream``-ed on the consumer's
+          stream, so the caching allocator does not reuse its memory for a later copy while the
+          consumer's kernels may still read it.
+        * ``non_blocking=True`` is used only from pinned memory, where it is truly asynchronous.
+    """
+
+    def __init__(self, device: torch.device, pin: bool) -> None:
+        super().__init__(device)
+        self.pin = pin
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def start_thread(self) -> None:
+        """Also make the target the producer thread's current device (pinning, events use it)."""
+        super().start_thread()
+        torch.cuda.set_device(self.device)
+
+    def stage(self, batch: Any) -> Staged:
+        """Pin and copy ``batch`` on the copy stream; record the event that marks it done."""
+        tensors: list[torch.Tensor] = []
+        with torch.cuda.stream(self.stream):
+            moved = map_tensors(batch, self._leaf_mover(tensors), self._object_mover(tensors))
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(self.stream)
+        return Staged(moved, ready, tensors)
+
+    def _leaf_mover(self, out: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        device, pin = self.device, self.pin
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu":
+                pinned = t.is_pinned()
+                if pin and not pinned:
+                    t, pinned = t.pin_memory(), True
+                t = t.to(device, non_blocking=pinned)
+            elif t.device != device:
+                t = t.to(device)  # a batch on another GPU: moved explicitly, never left behind
+            if t.is_cuda:
+                out.append(t)
+            return t
+
+        return move
+
+    def _object_mover(self, out: list[torch.Tensor]) -> Callable[[Any], Any]:
+        device, pin = self.device, self.pin
+
+        def move(obj: Any) -> Any:
+            if not callable(getattr(obj, "to", None)):
+                return UNHANDLED
+            if pin:
+                pinned = _call_pin_memory(obj)
+                obj = obj if pinned is UNHANDLED else pinned
+            moved = _call_to(obj, device, True)
+            out.extend(t for t in iter_tensors(moved) if t.is_cuda)
+            return moved
+
+        return move
+
+    def hand_out(self, staged: Staged) -> Any:
+        """Make the caller's current stream wait for the batch and protect its memory."""
+        consumer = torch.cuda.current_stream(self.device)
+        if staged.ready is not None:
+            consumer.wait_event(staged.ready)
+        for t in staged.tensors:
+            t.record_stream(consumer)
+        return staged.batch

@@ -1,0 +1,128 @@
+"""Walking nested batches: apply a function to every tensor, rebuild each container as its own type.
+
+A batch is a tree whose leaves are tensors or other values. Containers are rebuilt with their exact
+type: ``tuple``, ``list`` and ``dict`` (fast path), namedtuples, other tuple and list subclasses,
+``Mapping`` types (``OrderedDict``, ``defaultdict`` with its factory, other ``Mapping``
+subclasses), and dataclass instances (frozen ones too). Objects that bring their own method (a
+``.to()`` or ``.pin_memory()``) are handed to ``on_object``. Everything else (str, bytes, numbers,
+None, NumPy arrays, arbitrary objects) is a leaf returned unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+#: Returned by an ``on_object`` callback that does not handle the object it was given.
+UNHANDLED: Any = object()
+
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+ObjectFn = Callable[[Any], Any]
+
+# Exact types that can never hold a tensor; checked first because they are most leaves.
+_ATOMS = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None)})
+
+
+def map_tensors(batch: T, on_tensor: TensorFn, on_object: ObjectFn | None = None) -> T:
+    """Return ``batch`` with ``on_tensor`` applied to every tensor, every container rebuilt.
+
+    Args:
+        batch: any nested structure.
+        on_tensor: applied to each tensor leaf; its result takes the tensor's place.
+        on_object: tried on every object that is not a tensor, an atom or a built-in container
+            before it is walked; returns :data:`UNHANDLED` to let the walk continue.
+
+    The input is never modified: mutable containers are copied, not updated in place.
+    """
+    cls = type(batch)
+    if cls is torch.Tensor:
+        return on_tensor(batch)  # type: ignore[arg-type,return-value]
+    if cls in _ATOMS:
+        return batch
+    # Fast path: the exact containers that default_collate produces.
+    if cls is tuple:
+        return tuple([map_tensors(x, on_tensor, on_object) for x in batch])  # type: ignore[attr-defined,return-value]
+    if cls is list:
+        return [map_tensors(x, on_tensor, on_object) for x in batch]  # type: ignore[attr-defined,return-value]
+    if cls is dict:
+        return {k: map_tensors(v, on_tensor, on_object) for k, v in batch.items()}  # type: ignore[attr-defined,return-value]
+    return _map_other(batch, on_tensor, on_object)  # type: ignore[no-any-return]
+
+
+def _map_other(batch: Any, on_tensor: TensorFn, on_object: ObjectFn | None) -> Any:
+    if isinstance(batch, torch.Tensor):  # subclasses such as nn.Parameter
+        return on_tensor(batch)
+    if on_object is not None:
+        # An object's own method wins over walking it (e.g. a Mapping that defines .to()).
+        result = on_object(batch)
+        if result is not UNHANDLED:
+            return result
+    cls = type(batch)
+    if isinstance(batch, tuple):
+        items = [map_tensors(x, on_tensor, on_object) for x in batch]
+        if hasattr(batch, "_fields"):  # namedtuple: fields are positional arguments
+            return cls(*items)
+        return _rebuild(cls, items)
+    if isinstance(batch, list):
+        new_list = copy.copy(batch)  # keeps a subclass's attributes
+        new_list[:] = [map_tensors(x, on_tensor, on_object) for x in batch]
+        return new_list
+    if isinstance(batch, Mapping):
+        new = {k: map_tensors(v, on_tensor, on_object) for k, v in batch.items()}
+        if isinstance(batch, dict):
+            # copy.copy keeps the type, a defaultdict's factory and any instance attributes;
+            # updating existing keys keeps their order.
+            new_dict = copy.copy(batch)
+            new_dict.update(new)
+            return new_dict
+        return _rebuild(cls, new)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        new_obj = copy.copy(batch)
+        for field in dataclasses.fields(batch):
+            value = map_tensors(getattr(batch, field.name), on_tensor, on_object)
+            object.__setattr__(new_obj, field.name, value)  # works for frozen dataclasses too
+        return new_obj
+    return batch
+
+
+def _rebuild(cls: type, contents: Any) -> Any:
+    try:
+        return cls(contents)
+    except Exception as e:
+        raise TypeError(
+            f"nostall cannot rebuild a {cls.__qualname__} from its moved contents ({e}); give "
+            f"{cls.__qualname__} a .to(device, non_blocking=False) method (and .pin_memory() if "
+            f"it should be pinned) so that nostall calls it instead of walking the object"
+        ) from e
+
+
+def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Yield every tensor in ``batch``, looking also inside plain objects' attributes.
+
+    Used to find the tensors that an object's own ``.to()`` produced, so that they can be
+    protected from memory reuse across CUDA streams. Each object is visited once.
+    """
+    seen: set[int] = set()
+    stack = [batch]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if type(obj) in _ATOMS or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
