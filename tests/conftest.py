@@ -1,0 +1,46 @@
+"""Shared fixtures: every test must leave no nostall thread running."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import wait_for_no_nostall_threads  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind() -> Iterator[None]:
+    yield
+    gc.collect()
+    alive = wait_for_no_nostall_threads(timeout=5.0)
+    assert not alive, f"nostall threads still running after the test: {alive}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fast_worker_shutdown(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Shorten PyTorch's worker status interval while the test's loaders are collected.
+
+    After a worker error, a DataLoader's shutdown waits that long per worker (5 s by default),
+    with or without nostall.
+    """
+    import torch.utils.data._utils as data_utils
+
+    monkeypatch.setattr(data_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    yield
+    gc.collect()  # while the short interval is still in place

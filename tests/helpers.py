@@ -1,0 +1,103 @@
+"""Small fakes and the golden helper shared by the tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+def nostall_threads() -> list[threading.Thread]:
+    """The live threads nostall started."""
+    return [t for t in threading.enumerate() if t.name.startswith("nostall-")]
+
+
+def wait_for_no_nostall_threads(timeout: float = 3.0) -> list[threading.Thread]:
+    """Wait until no nostall thread is alive; return those still alive after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (alive := nostall_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return alive
+
+
+def assert_same_batches(expected: Iterable[Any], actual: Iterable[Any]) -> None:
+    """The golden check: same values, same order, same count, same structure and dtypes."""
+    expected, actual = list(expected), list(actual)
+    assert len(expected) == len(actual), f"{len(expected)} batches expected, {len(actual)} seen"
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        assert_same_tree(e, a, where=f"batch {i}")
+
+
+def assert_same_tree(expected: Any, actual: Any, where: str = "batch") -> None:
+    """Recursively compare two batches; tensors compared on the CPU, exactly."""
+    assert type(expected) is type(actual), f"{where}: {type(expected)} != {type(actual)}"
+    if isinstance(expected, torch.Tensor):
+        assert expected.dtype == actual.dtype, f"{where}: {expected.dtype} != {actual.dtype}"
+        assert torch.equal(expected.cpu(), actual.cpu()), f"{where}: values differ"
+    elif isinstance(expected, dict):
+        assert list(expected) == list(actual), f"{where}: keys differ"
+        for k in expected:
+            assert_same_tree(expected[k], actual[k], f"{where}[{k!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), f"{where}: lengths differ"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_same_tree(e, a, f"{where}[{i}]")
+    else:
+        assert expected == actual, f"{where}: {expected!r} != {actual!r}"
+
+
+class CountingSource:
+    """A re-iterable source of ``n`` int tensors that counts what was pulled from it."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        self.n, self.delay = n, delay
+        self.iters = 0
+        self.pulled = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.iters += 1
+        for i in range(self.n):
+            if self.delay:
+                time.sleep(self.delay)
+            self.pulled += 1
+            yield torch.tensor([i])
+
+
+class RaisingSource:
+    """Yields ``k`` batches, then raises ``error``."""
+
+    def __init__(self, k: int, error: BaseException) -> None:
+        self.k, self.error = k, error
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(self.k):
+            yield torch.tensor([i])
+        raise self.error
+
+
+class BrokenIter:
+    """An iterable whose ``__iter__`` raises."""
+
+    def __iter__(self) -> Iterator[Any]:
+        raise OSError("cannot open the shards")
+
+
+class MultiArgError(Exception):
+    """An exception that cannot be rebuilt from its message alone."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        super().__init__(f"{path}:{line}: {reason}")
+        self.path, self.line, self.reason = path, line, reason
+
+
+class Unmovable:
+    """An object whose ``.to()`` raises, as a broken custom batch type would."""
+
+    def to(self, device: Any, non_blocking: bool = False) -> Unmovable:
+        raise RuntimeError(f"Unmovable cannot go to {device}")

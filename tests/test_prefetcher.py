@@ -1,0 +1,591 @@
+"""The prefetcher on the CPU: equivalence, errors, lifecycle, bad input."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    BrokenIter,
+    CountingSource,
+    MultiArgError,
+    RaisingSource,
+    Unmovable,
+    assert_same_batches,
+    nostall_threads,
+    wait_for_no_nostall_threads,
+)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+import nostall
+from nostall import (
+    DeviceUnavailableError,
+    Prefetcher,
+    PrefetcherClosedError,
+    PrefetchTimeoutError,
+    ProducerDiedError,
+)
+
+
+class Squares(Dataset[dict[str, Any]]):
+    """A map-style dataset with nested samples."""
+
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.tensor([i, i * i]), "y": i % 3, "name": f"s{i}"}
+
+
+def make_loader(batch_size: int | None, workers: int, **kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(Squares(), batch_size=batch_size, num_workers=workers, **kwargs)
+
+
+# -- row 1, 2: equivalence over epochs; partial last batch --------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [1, 7, None])
+def test_same_batches_as_the_loader_over_three_epochs(batch_size: int | None, workers: int) -> None:
+    """Same values, order and count as the plain loader, epoch after epoch."""
+    loader = make_loader(batch_size, workers)
+    p = nostall.prefetch(loader, "cpu")
+    for _ in range(3):
+        assert_same_batches(loader, p)
+
+
+def test_partial_last_batch_is_delivered() -> None:
+    """23 samples in batches of 7: the last batch of 2 arrives."""
+    batches = list(nostall.prefetch(make_loader(7, 0)))
+    assert [len(b["x"]) for b in batches] == [7, 7, 7, 2]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5, 64])
+def test_every_depth_delivers_every_batch_once_in_order(depth: int) -> None:
+    """Depths below, at and above the epoch length all give the exact stream."""
+    source = CountingSource(20)
+    out = [int(t) for t in nostall.prefetch(source, depth=depth)]
+    assert list(range(20)) == out
+    assert source.pulled == 20
+
+
+# -- row 3: empty source ------------------------------------------------------------------------
+
+
+def test_empty_source_ends_at_once() -> None:
+    """A zero-length loader yields nothing, and no thread is left."""
+    loader = DataLoader(TensorDataset(torch.empty(0)), batch_size=4)
+    start = time.monotonic()
+    assert [] == list(nostall.prefetch(loader))
+    assert time.monotonic() - start < 1.0
+    assert not wait_for_no_nostall_threads(1.0)
+
+
+# -- in flight: at most depth -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_at_most_depth_batches_fetched_ahead(depth: int) -> None:
+    """A consumer that stops taking batches lets the producer run ``depth`` ahead, no more."""
+    source = CountingSource(50)
+    it = iter(nostall.prefetch(source, depth=depth))
+    next(it)
+    time.sleep(0.3)  # ample time for the producer to run ahead
+    assert 1 + depth == source.pulled
+    next(it)
+    time.sleep(0.3)
+    assert 2 + depth == source.pulled
+    it.close()
+
+
+# -- row 4, 5: errors from the source -----------------------------------------------------------
+
+
+def test_source_error_arrives_after_the_batches_before_it() -> None:
+    """Batches 0..k-1 arrive intact, then the same exception object with a note."""
+    error = ValueError("bad record at 3")
+    seen = []
+    with pytest.raises(ValueError, match="bad record at 3") as info:
+        for batch in nostall.prefetch(RaisingSource(3, error)):
+            seen.append(int(batch))
+    assert [0, 1, 2] == seen
+    assert info.value is error
+    assert any("next(source) for batch 3" in n for n in info.value.__notes__)
+
+
+def test_exception_with_several_arguments_is_passed_intact() -> None:
+    """An exception class that cannot be rebuilt from a message arrives as the object."""
+    error = MultiArgError("shard-7.tar", 12, "truncated")
+    with pytest.raises(MultiArgError) as info:
+        list(nostall.prefetch(RaisingSource(0, error)))
+    assert info.value is error
+    assert ("shard-7.tar", 12, "truncated") == (error.path, error.line, error.reason)
+
+
+def test_traceback_of_the_source_is_kept() -> None:
+    """The traceback still shows the frame inside the source that raised."""
+    with pytest.raises(ValueError) as info:
+        list(nostall.prefetch(RaisingSource(1, ValueError("x"))))
+    frames = [entry.name for entry in info.traceback]
+    assert "__iter__" in frames  # RaisingSource.__iter__, where the error happened
+
+
+def test_after_an_error_the_iteration_is_over() -> None:
+    """Like a generator: after the error, next() raises StopIteration."""
+    it = iter(nostall.prefetch(RaisingSource(1, KeyError("k"))))
+    assert 0 == int(next(it))
+    with pytest.raises(KeyError):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.usefixtures("fast_worker_shutdown")
+def test_loader_worker_error_is_reraised() -> None:
+    """An error in a DataLoader worker reaches the consumer with PyTorch's own message."""
+
+    class Bad(Dataset[int]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            if i == 5:
+                raise IndexError("sample 5 is corrupt")
+            return i
+
+    loader = DataLoader(Bad(), batch_size=2, num_workers=2)
+    seen = []
+    with pytest.raises(IndexError, match="sample 5 is corrupt"):
+        for batch in nostall.prefetch(loader):
+            seen.append(batch.tolist())
+    assert [[0, 1], [2, 3]] == seen
+
+
+# -- row 6: errors before the first batch -------------------------------------------------------
+
+
+def test_iter_error_surfaces_on_first_next_not_on_iter() -> None:
+    """``iter(source)`` raising surfaces on the first next(), with a note."""
+    it = iter(nostall.prefetch(BrokenIter()))
+    with pytest.raises(OSError, match="cannot open the shards") as info:
+        next(it)
+    assert any("iter(source)" in n for n in info.value.__notes__)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.usefixtures("fast_worker_shutdown")
+def test_worker_init_error_surfaces_on_first_next() -> None:
+    """A failing ``worker_init_fn`` surfaces on the first next()."""
+
+    def init(worker_id: int) -> None:
+        raise RuntimeError(f"worker {worker_id} cannot start")
+
+    loader = DataLoader(range(10), batch_size=2, num_workers=2, worker_init_fn=init)
+    it = iter(nostall.prefetch(loader))
+    with pytest.raises(RuntimeError, match="cannot start"):
+        next(it)
+
+
+# -- row 7: transfer errors ---------------------------------------------------------------------
+
+
+def test_transfer_error_is_reraised_from_the_transfer_step() -> None:
+    """An object whose ``.to()`` raises: the error arrives, noted as a transfer error."""
+    source = [torch.tensor([0]), Unmovable()]
+    it = iter(nostall.prefetch(source, "cpu"))
+    assert 0 == int(next(it))
+    with pytest.raises(RuntimeError, match="Unmovable cannot go to cpu") as info:
+        next(it)
+    assert any("while moving batch 1 to cpu" in n for n in info.value.__notes__)
+
+
+# -- row 8, 9: break, del, garbage collection ---------------------------------------------------
+
+
+def test_break_stops_the_thread_within_a_second() -> None:
+    """Leaving the loop early stops the producer promptly."""
+    for _ in nostall.prefetch(CountingSource(1000)):
+        break
+    assert not wait_for_no_nostall_threads(1.0)
+
+
+def test_del_iterator_stops_the_thread() -> None:
+    """Dropping a half-used iteration stops its producer."""
+    p = nostall.prefetch(CountingSource(1000))
+    it = iter(p)
+    next(it)
+    assert nostall_threads()
+    del it
+    assert not wait_for_no_nostall_threads(1.0)
+
+
+def test_dropped_prefetcher_is_collected() -> None:
+    """No reference cycle through the thread keeps a dropped prefetcher alive."""
+    p = nostall.prefetch(CountingSource(1000))
+    it = iter(p)
+    next(it)
+    ref_p, ref_it = weakref.ref(p), weakref.ref(it)
+    del p, it
+    assert ref_p() is None  # freed by reference counting alone, no cycle
+    assert ref_it() is None
+    gc.collect()
+    assert not wait_for_no_nostall_threads(1.0)
+
+
+def test_prefetcher_dropped_while_its_iteration_runs_keeps_going() -> None:
+    """``for b in prefetch(loader)`` holds only the iteration; it must not be stopped."""
+    out = []
+    for batch in nostall.prefetch(CountingSource(8)):
+        gc.collect()
+        out.append(int(batch))
+    assert list(range(8)) == out
+
+
+# -- row 10: lifecycle ---------------------------------------------------------------------------
+
+
+def test_close_is_idempotent_and_stops_the_thread() -> None:
+    """close() twice is fine, and nothing runs afterwards."""
+    p = nostall.prefetch(CountingSource(1000))
+    it = iter(p)
+    next(it)
+    p.close()
+    p.close()
+    assert p.closed
+    assert not nostall_threads()
+
+
+def test_iterating_a_closed_prefetcher_raises() -> None:
+    """A clear error, not an empty epoch."""
+    p = nostall.prefetch(CountingSource(3))
+    p.close()
+    with pytest.raises(PrefetcherClosedError, match="was closed"):
+        iter(p)
+
+
+def test_iteration_of_a_closed_prefetcher_raises() -> None:
+    """An iteration cut short by close() says so on its next next()."""
+    p = nostall.prefetch(CountingSource(1000))
+    it = iter(p)
+    next(it)
+    p.close()
+    with pytest.raises(PrefetcherClosedError, match="Prefetcher was closed"):
+        next(it)
+
+
+def test_context_manager_closes() -> None:
+    """Leaving the ``with`` block closes the prefetcher."""
+    with nostall.prefetch(CountingSource(1000)) as p:
+        next(iter(p))
+    assert p.closed
+    assert not nostall_threads()
+
+
+# -- row 11: a second iter() --------------------------------------------------------------------
+
+
+def test_second_iter_stops_the_first() -> None:
+    """Two threads never pull from one source; the old iteration says it was replaced."""
+    source = CountingSource(100, delay=0.001)
+    p = nostall.prefetch(source)
+    first = iter(p)
+    next(first)
+    second = iter(p)
+    assert list(range(100)) == [int(t) for t in second]
+    with pytest.raises(PrefetcherClosedError, match="newer iter"):
+        next(first)
+    assert 2 == source.iters
+
+
+def test_new_iteration_waits_for_the_previous_producer() -> None:
+    """The producer of a replaced iteration is inside a slow next(); the new one waits for it."""
+    in_next = threading.Event()
+    active = []
+
+    class Slow:
+        def __iter__(self) -> Iterator[int]:
+            for i in range(3):
+                active.append(1)
+                if len(active) > 1:
+                    raise AssertionError("two producers pulled at once")
+                in_next.set()
+                time.sleep(0.2)
+                active.pop()
+                yield i
+
+    p = nostall.prefetch(Slow(), depth=1)
+    first = iter(p)
+    assert 0 == next(first)
+    in_next.wait(1)
+    assert [0, 1, 2] == list(p)
+
+
+def test_iter_alone_takes_nothing_from_the_source() -> None:
+    """iter() without next() neither creates the source's iterator nor draws random numbers."""
+    generator = torch.Generator().manual_seed(1)
+    loader = DataLoader(range(10), batch_size=3, shuffle=True, generator=generator)
+    state = generator.get_state()
+    p = nostall.prefetch(loader)
+    iter(p)  # as Lightning does to check that an object is iterable
+    iter(p)
+    assert torch.equal(state, generator.get_state())
+    assert not nostall_threads()
+    expected = list(DataLoader(range(10), batch_size=3, shuffle=True,
+                               generator=torch.Generator().manual_seed(1)))
+    assert_same_batches(expected, p)
+
+
+# -- row 14: stalls, timeouts, a dead producer --------------------------------------------------
+
+
+def test_timeout_names_the_wait_and_loses_nothing() -> None:
+    """A stalled source with timeout= raises a TimeoutError; the batch still arrives later."""
+    source = CountingSource(2, delay=0.6)
+    it = iter(nostall.prefetch(source, timeout=0.2))
+    with pytest.raises(PrefetchTimeoutError, match=r"timeout=0.2 s: batch 0") as info:
+        next(it)
+    assert isinstance(info.value, TimeoutError)
+    assert "next(source) for batch 0" in str(info.value)
+    time.sleep(0.6)  # the stalled fetch completes meanwhile
+    assert 0 == int(next(it))  # nothing lost
+    it.close()
+
+
+def test_dead_producer_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer that ends without a word raises ProducerDiedError, never hangs."""
+    import nostall._prefetcher as module
+
+    monkeypatch.setattr(module, "produce", lambda channel, batches, staging: None)
+    it = iter(nostall.prefetch(CountingSource(3)))
+    start = time.monotonic()
+    with pytest.raises(ProducerDiedError, match="ended without delivering batch 0"):
+        next(it)
+    assert time.monotonic() - start < 2.0
+
+
+# -- rows 19, 22: determinism, interleaving -----------------------------------------------------
+
+
+class Noisy(Dataset[torch.Tensor]):
+    """Random augmentation drawn from torch's generator (per worker when workers are used)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_seeded_shuffle_gives_identical_sequences(workers: int) -> None:
+    """With a seeded generator, the stream is the same with and without nostall."""
+
+    def loader() -> DataLoader[torch.Tensor]:
+        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=workers,
+                          generator=torch.Generator().manual_seed(7))
+
+    torch.manual_seed(0)
+    expected = list(loader())
+    torch.manual_seed(0)
+    assert_same_batches(expected, nostall.prefetch(loader()))
+
+
+def test_two_prefetchers_interleaved_are_independent() -> None:
+    """A training and a validation prefetcher used in turn keep their own streams."""
+    train, val = CountingSource(10), DataLoader(range(6), batch_size=2)
+    p_train, p_val = nostall.prefetch(train), nostall.prefetch(val)
+    out_train, out_val = [], []
+    for t, v in zip(p_train, p_val):
+        out_train.append(int(t))
+        out_val.append(v.tolist())
+    assert [0, 1, 2] == out_train  # zip stops at the shorter
+    assert [[0, 1], [2, 3], [4, 5]] == out_val
+    assert list(range(10)) == [int(t) for t in p_train]
+
+
+# -- forwarding: len, attributes, set_epoch -----------------------------------------------------
+
+
+def test_len_is_the_source_length() -> None:
+    """len() is the loader's number of batches."""
+    assert 4 == len(nostall.prefetch(make_loader(7, 0)))
+
+
+def test_len_of_a_generator_raises_the_sources_type_error() -> None:
+    """A source without len gives the same TypeError as the source itself."""
+    gen = (i for i in range(3))
+    with pytest.raises(TypeError) as expected:
+        len(gen)  # type: ignore[arg-type]
+    with pytest.raises(TypeError) as actual:
+        len(nostall.prefetch(gen))
+    assert str(expected.value) == str(actual.value)
+
+
+def test_attributes_are_forwarded_to_the_source() -> None:
+    """dataset, sampler, batch_size and the rest read through."""
+    loader = make_loader(7, 0, drop_last=True)
+    p = nostall.prefetch(loader)
+    assert p.dataset is loader.dataset
+    assert p.sampler is loader.sampler
+    assert 7 == p.batch_size
+    assert p.drop_last is True
+    with pytest.raises(AttributeError):
+        p.no_such_attribute  # noqa: B018
+
+
+def test_set_epoch_reaches_a_distributed_sampler() -> None:
+    """p.set_epoch(e) changes the order exactly as sampler.set_epoch(e) does."""
+
+    def loader() -> DataLoader[int]:
+        data = list(range(16))
+        sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+        return DataLoader(data, batch_size=4, sampler=sampler)
+
+    plain, wrapped = loader(), loader()
+    p = nostall.prefetch(wrapped)
+    for epoch in range(3):
+        plain.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        p.set_epoch(epoch)
+        assert_same_batches(plain, p)
+    assert 2 == wrapped.sampler.epoch  # type: ignore[attr-defined]
+
+
+def test_set_epoch_order_of_lookup() -> None:
+    """The source first, then its sampler, then its batch_sampler's sampler."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.epochs: list[int] = []
+
+        def set_epoch(self, e: int) -> None:
+            self.epochs.append(e)
+
+    class WithSampler(list[int]):
+        sampler = Recorder()
+
+    class WithBatchSampler(list[int]):
+        sampler = object()
+        batch_sampler = type("B", (), {"sampler": Recorder()})()
+
+    src1 = WithSampler([1])
+    nostall.prefetch(src1).set_epoch(4)
+    assert [4] == src1.sampler.epochs
+    src2 = WithBatchSampler([1])
+    nostall.prefetch(src2).set_epoch(5)
+    assert [5] == src2.batch_sampler.sampler.epochs
+    nostall.prefetch([1, 2]).set_epoch(6)  # nothing has it: no error
+
+
+# -- one-shot sources ---------------------------------------------------------------------------
+
+
+def test_second_epoch_of_an_exhausted_generator_is_empty_with_a_warning() -> None:
+    """A generator cannot restart; nostall says so instead of silently yielding nothing."""
+    p = nostall.prefetch(torch.tensor([i]) for i in range(3))
+    assert [0, 1, 2] == [int(t) for t in p]
+    with pytest.warns(UserWarning, match="one-shot iterator that is exhausted"):
+        assert [] == list(p)
+
+
+def test_breaking_out_of_a_generator_loses_nothing() -> None:
+    """Batches fetched ahead for a one-shot source are handed to the next iteration."""
+    p = nostall.prefetch((torch.tensor([i]) for i in range(10)), depth=4)
+    first = []
+    for batch in p:
+        first.append(int(batch))
+        if len(first) == 3:
+            time.sleep(0.2)  # let the producer fetch ahead
+            break
+    rest = [int(t) for t in p]
+    assert list(range(10)) == first + rest
+
+
+# -- placement (row 18, off CUDA) and threads ---------------------------------------------------
+
+
+def test_every_tensor_reaches_the_target_device() -> None:
+    """On the meta device (available everywhere) every tensor leaf moves, dtypes kept."""
+    batches = [{"x": torch.ones(2, dtype=torch.float16), "ids": [torch.arange(3)], "s": "a"}] * 3
+    for batch in nostall.prefetch(batches, "meta"):
+        assert "meta" == batch["x"].device.type
+        assert torch.float16 == batch["x"].dtype
+        assert "meta" == batch["ids"][0].device.type
+        assert torch.int64 == batch["ids"][0].dtype
+        assert "a" == batch["s"]
+
+
+def test_producer_threads_are_named() -> None:
+    """Threads are named nostall-prefetch-N and are daemons."""
+    it = iter(nostall.prefetch(CountingSource(100)))
+    next(it)
+    (thread,) = nostall_threads()
+    assert thread.name.startswith("nostall-prefetch-")
+    assert thread.daemon
+    it.close()
+
+
+def test_loading_overlaps_compute() -> None:
+    """Loading and a GIL-releasing step of equal length overlap: far below the serial sum."""
+    source = CountingSource(12, delay=0.05)
+    start = time.perf_counter()
+    for _ in nostall.prefetch(source):
+        time.sleep(0.05)  # the step
+    elapsed = time.perf_counter() - start
+    serial = 12 * 0.1
+    assert elapsed < 0.8 * serial, f"{elapsed:.2f} s, serial would be {serial:.2f} s"
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_not_iterable_is_a_type_error_naming_the_type() -> None:
+    """The message names what was received."""
+    with pytest.raises(TypeError, match="got 42 that is a int"):
+        nostall.prefetch(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("depth", [0, -1, 1.5, "2", True, None])
+def test_bad_depth(depth: Any) -> None:
+    """depth must be an int >= 1; the message shows the value received."""
+    with pytest.raises(ValueError, match=r"depth must be an int >= 1, .* \(got"):
+        nostall.prefetch([1], depth=depth)
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, "1", float("nan")])
+def test_bad_timeout(timeout: Any) -> None:
+    """timeout must be None or a positive number."""
+    with pytest.raises(ValueError, match="timeout must be None or a number of seconds > 0"):
+        nostall.prefetch([1], timeout=timeout)
+
+
+def test_bad_pin_memory() -> None:
+    """pin_memory is a bool or None."""
+    with pytest.raises(ValueError, match="pin_memory must be True, False or None"):
+        nostall.prefetch([1], pin_memory="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_requested_without_cuda() -> None:
+    """A DeviceUnavailableError at construction that says what to pass instead."""
+    with pytest.raises(DeviceUnavailableError, match="device='cpu'") as info:
+        nostall.prefetch([1], "cuda")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_default_device_without_cuda_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device=None means the CPU where CUDA is missing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert torch.device("cpu") == Prefetcher([1]).device
+
+
+def test_repr_names_source_device_and_state() -> None:
+    """repr is short and useful."""
+    p = nostall.prefetch([1], "cpu", depth=3)
+    assert "Prefetcher(source=list, device='cpu', depth=3, open)" == repr(p)
