@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import wait_for_no_nostall_threads  # noqa: E402
+from helpers import wait_for_no_nostall_threads
 
 
 @pytest.fixture(autouse=True)

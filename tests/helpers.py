@@ -27,7 +27,7 @@ def assert_same_batches(expected: Iterable[Any], actual: Iterable[Any]) -> None:
     """The golden check: same values, same order, same count, same structure and dtypes."""
     expected, actual = list(expected), list(actual)
     assert len(expected) == len(actual), f"{len(expected)} batches expected, {len(actual)} seen"
-    for i, (e, a) in enumerate(zip(expected, actual)):
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
         assert_same_tree(e, a, where=f"batch {i}")
 
 
@@ -43,7 +43,7 @@ def assert_same_tree(expected: Any, actual: Any, where: str = "batch") -> None:
             assert_same_tree(expected[k], actual[k], f"{where}[{k!r}]")
     elif isinstance(expected, (list, tuple)):
         assert len(expected) == len(actual), f"{where}: lengths differ"
-        for i, (e, a) in enumerate(zip(expected, actual)):
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
             assert_same_tree(e, a, f"{where}[{i}]")
     else:
         assert expected == actual, f"{where}: {expected!r} != {actual!r}"

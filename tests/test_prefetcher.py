@@ -111,7 +111,7 @@ def test_source_error_arrives_after_the_batches_before_it() -> None:
     """Batches 0..k-1 arrive intact, then the same exception object with a note."""
     error = ValueError("bad record at 3")
     seen = []
-    with pytest.raises(ValueError, match="bad record at 3") as info:
+    with pytest.raises(ValueError, match="bad record at 3") as info:  # noqa: PT012
         for batch in nostall.prefetch(RaisingSource(3, error)):
             seen.append(int(batch))
     assert [0, 1, 2] == seen
@@ -130,7 +130,7 @@ def test_exception_with_several_arguments_is_passed_intact() -> None:
 
 def test_traceback_of_the_source_is_kept() -> None:
     """The traceback still shows the frame inside the source that raised."""
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="x") as info:
         list(nostall.prefetch(RaisingSource(1, ValueError("x"))))
     frames = [entry.name for entry in info.traceback]
     assert "__iter__" in frames  # RaisingSource.__iter__, where the error happened
@@ -161,7 +161,7 @@ def test_loader_worker_error_is_reraised() -> None:
 
     loader = DataLoader(Bad(), batch_size=2, num_workers=2)
     seen = []
-    with pytest.raises(IndexError, match="sample 5 is corrupt"):
+    with pytest.raises(IndexError, match="sample 5 is corrupt"):  # noqa: PT012
         for batch in nostall.prefetch(loader):
             seen.append(batch.tolist())
     assert [[0, 1], [2, 3]] == seen
@@ -337,8 +337,11 @@ def test_iter_alone_takes_nothing_from_the_source() -> None:
     iter(p)
     assert torch.equal(state, generator.get_state())
     assert not nostall_threads()
-    expected = list(DataLoader(range(10), batch_size=3, shuffle=True,
-                               generator=torch.Generator().manual_seed(1)))
+    expected = list(
+        DataLoader(
+            range(10), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+    )
     assert_same_batches(expected, p)
 
 
@@ -388,8 +391,13 @@ def test_seeded_shuffle_gives_identical_sequences(workers: int) -> None:
     """With a seeded generator, the stream is the same with and without nostall."""
 
     def loader() -> DataLoader[torch.Tensor]:
-        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=workers,
-                          generator=torch.Generator().manual_seed(7))
+        return DataLoader(
+            Noisy(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(7),
+        )
 
     torch.manual_seed(0)
     expected = list(loader())
@@ -402,7 +410,7 @@ def test_two_prefetchers_interleaved_are_independent() -> None:
     train, val = CountingSource(10), DataLoader(range(6), batch_size=2)
     p_train, p_val = nostall.prefetch(train), nostall.prefetch(val)
     out_train, out_val = [], []
-    for t, v in zip(p_train, p_val):
+    for t, v in zip(p_train, p_val, strict=False):  # stops at the shorter
         out_train.append(int(t))
         out_val.append(v.tolist())
     assert [0, 1, 2] == out_train  # zip stops at the shorter
@@ -589,3 +597,151 @@ def test_repr_names_source_device_and_state() -> None:
     """repr is short and useful."""
     p = nostall.prefetch([1], "cpu", depth=3)
     assert "Prefetcher(source=list, device='cpu', depth=3, open)" == repr(p)
+
+
+# -- CUDA: rows 16-18 (run on a GPU machine; skipped without CUDA) ------------------------------
+
+
+def _filled(n: int, size: int = 1 << 18) -> list[torch.Tensor]:
+    """CPU batches whose every element is the batch's index (1 MiB of float32 each)."""
+    return [torch.full((size,), float(i)) for i in range(n)]
+
+
+def _check_stream_safety(p: Prefetcher[torch.Tensor], steps: int) -> int:
+    """Consume ``steps`` batches on a busy stream, overwriting each after use; count bad ones."""
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for i, batch in enumerate(p):
+        torch.cuda._sleep(200_000)  # keep the consumer's stream busy, so the copies run ahead
+        bad += (batch != float(i)).any().to(torch.int64)
+        batch.fill_(-1.0)  # overwrite after use, then drop it
+        del batch
+    torch.cuda.synchronize()
+    return int(bad.item())
+
+
+@pytest.mark.cuda
+def test_cuda_stream_safety_under_a_busy_compute_stream() -> None:
+    """1000 steps with a busy consumer stream: every batch equals its CPU reference."""
+    p = nostall.prefetch(_filled(1000), "cuda", depth=3)
+    assert 0 == _check_stream_safety(p, 1000)
+
+
+@pytest.mark.cuda
+def test_cuda_stream_safety_on_a_side_consumer_stream() -> None:
+    """The consumer's current stream, whatever it is, is the one that waits."""
+    p = nostall.prefetch(_filled(200), "cuda", depth=2)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert 0 == _check_stream_safety(p, 200)
+
+
+@pytest.mark.cuda
+def test_cuda_stream_check_catches_a_prefetcher_without_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The safety check can fail: without the wait and record_stream, batches go wrong."""
+    from nostall._transfer import CudaStaging
+
+    monkeypatch.setattr(CudaStaging, "hand_out", lambda self, staged: staged.batch)
+    p = nostall.prefetch(_filled(300), "cuda", depth=3)
+    assert _check_stream_safety(p, 300) > 0
+
+
+@pytest.mark.cuda
+def test_cuda_reserved_memory_flat_over_20_epochs_and_one_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reserved memory does not grow epoch after epoch; one copy stream per prefetcher."""
+    created = []
+    real_stream = torch.cuda.Stream
+
+    def counting_stream(*args: Any, **kwargs: Any) -> torch.cuda.Stream:
+        created.append(1)
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", counting_stream)
+    loader = DataLoader(TensorDataset(torch.randn(64, 4096)), batch_size=8)
+    p = nostall.prefetch(loader, "cuda")
+    reserved = []
+    for _ in range(20):
+        for (batch,) in p:
+            batch.mul_(2)
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[2] == reserved[-1], reserved
+    assert 1 == len(created)
+
+
+@pytest.mark.cuda
+def test_cuda_at_most_depth_batches_in_flight() -> None:
+    """GPU memory held ahead of the consumer stays within depth batches (plus the one in use)."""
+    size = 1 << 20  # 4 MiB per batch
+    depth = 2
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    it = iter(nostall.prefetch(_filled(20, size), "cuda", depth=depth))
+    batch = next(it)
+    time.sleep(0.5)  # the producer fills its slots
+    held = torch.cuda.memory_allocated() - base
+    assert held <= (depth + 1) * size * 4, f"{held / 2**20:.1f} MiB held"
+    del batch
+    it.close()
+
+
+@pytest.mark.cuda
+def test_cuda_placement_and_dtypes() -> None:
+    """Every tensor leaf on the target device with its dtype; other leaves unchanged."""
+    sample = {
+        "image": torch.randint(0, 255, (2, 3, 4, 4), dtype=torch.uint8),
+        "label": torch.tensor([1, 2]),
+        "weights": [torch.ones(2, dtype=torch.float16)],
+        "name": "a",
+        "n": None,
+        "already": torch.ones(1, device="cuda"),
+    }
+    (out,) = list(nostall.prefetch([sample], "cuda:0"))
+    assert torch.device("cuda", 0) == out["image"].device
+    assert torch.uint8 == out["image"].dtype
+    assert torch.int64 == out["label"].dtype
+    assert torch.float16 == out["weights"][0].dtype
+    assert "cuda" == out["weights"][0].device.type
+    assert "a" == out["name"]
+    assert out["n"] is None
+    assert torch.equal(sample["image"], out["image"].cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pin", [True, False])
+def test_cuda_non_blocking_only_from_pinned_memory(
+    pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies are asynchronous exactly when their source is pinned."""
+    calls: list[tuple[bool, bool]] = []
+    real_to = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.device.type == "cpu":
+            calls.append((self.is_pinned(), bool(kwargs.get("non_blocking", False))))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    list(nostall.prefetch(_filled(4, 16), "cuda", pin_memory=pin))
+    assert 4 == len(calls)
+    assert all(pinned == non_blocking for pinned, non_blocking in calls), calls
+    assert all(pinned is pin for pinned, _ in calls), calls
+
+
+@pytest.mark.cuda
+def test_cuda_default_device_is_the_current_one() -> None:
+    """device=None picks the current CUDA device when CUDA is present."""
+    assert torch.device("cuda", torch.cuda.current_device()) == nostall.prefetch([1]).device
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cuda_same_batches_as_the_loader(workers: int) -> None:
+    """The golden check on CUDA, with a pinning DataLoader too."""
+    loader = make_loader(7, workers, pin_memory=True)
+    p = nostall.prefetch(loader, "cuda")
+    for _ in range(2):
+        assert_same_batches(loader, p)

@@ -1,0 +1,91 @@
+"""Resolving the device argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from nostall import DeviceUnavailableError
+from nostall._device import resolve_device
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine has exactly one CUDA device, current index 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_none_without_cuda_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA: the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert torch.device("cpu") == resolve_device(None)
+
+
+@pytest.mark.usefixtures("one_gpu")
+def test_none_with_cuda_is_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA present and no LOCAL_RANK: the current device, with its index."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert torch.device("cuda", 0) == resolve_device(None)
+
+
+def test_none_under_torchrun_is_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun, cuda:LOCAL_RANK when that index is visible."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert torch.device("cuda", 3) == resolve_device(None)
+    monkeypatch.setenv("LOCAL_RANK", "9")  # not visible (one GPU per rank, say): current device
+    assert torch.device("cuda", 0) == resolve_device(None)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("cpu", "cpu"), (torch.device("cpu"), "cpu"), ("meta", "meta")],
+)
+def test_plain_devices(given: Any, expected: str) -> None:
+    """Strings and torch.device objects are accepted."""
+    assert torch.device(expected) == resolve_device(given)
+
+
+@pytest.mark.usefixtures("one_gpu")
+def test_cuda_gets_an_explicit_index() -> None:
+    """'cuda' and 0 become cuda:0."""
+    assert torch.device("cuda", 0) == resolve_device("cuda")
+    assert torch.device("cuda", 0) == resolve_device(0)
+
+
+@pytest.mark.usefixtures("one_gpu")
+def test_index_out_of_range_says_what_is_visible() -> None:
+    """cuda:7 on a one-GPU machine names the count and the choices."""
+    with pytest.raises(DeviceUnavailableError, match="only 1 CUDA device is visible") as info:
+        resolve_device("cuda:7")
+    assert "device='cuda:0'" in str(info.value)
+    assert "device='cpu'" in str(info.value)
+
+
+def test_cuda_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clear error that says CUDA is missing and what to pass instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceUnavailableError, match="CUDA is not available") as info:
+        resolve_device("cuda:0")
+    assert isinstance(info.value, RuntimeError)
+    assert "pass device='cpu'" in str(info.value)
+
+
+def test_mps_without_mps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MPS requested where it is missing."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(DeviceUnavailableError, match="MPS is not available"):
+        resolve_device("mps")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", 1.0, True, [0]])
+def test_not_a_device(bad: Any) -> None:
+    """Something that names no device is a ValueError that shows it."""
+    with pytest.raises(ValueError, match="device"):
+        resolve_device(bad)

@@ -1,0 +1,151 @@
+"""Interpreter exit and Ctrl-C with a live producer, each in a subprocess with a timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+PRELUDE = """
+import sys, time, threading
+import torch
+from torch.utils.data import DataLoader
+import nostall
+
+class Slow:
+    # A source whose __next__ takes `delay` seconds per batch.
+    def __init__(self, delay):
+        self.delay = delay
+    def __iter__(self):
+        i = 0
+        while True:
+            time.sleep(self.delay)
+            yield torch.tensor([i])
+            i += 1
+"""
+
+
+def run_script(body: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    code = PRELUDE + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def assert_clean(done: subprocess.CompletedProcess[str]) -> None:
+    assert "Fatal Python error" not in done.stderr, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_break_after_first_batch_then_exit(workers: int) -> None:
+    """break, then the script ends: exit 0, promptly."""
+    start = time.monotonic()
+    done = run_script(f"""
+        loader = DataLoader(range(10_000), batch_size=4, num_workers={workers})
+        for batch in nostall.prefetch(loader):
+            break
+        print("done")
+    """)
+    assert_clean(done)
+    assert 0 == done.returncode, done.stderr
+    assert "done" in done.stdout
+    assert time.monotonic() - start < 30
+
+
+def test_live_iteration_at_exit() -> None:
+    """An iteration kept alive in a global when the script ends: the exit hook stops it."""
+    done = run_script("""
+        loader = DataLoader(range(10_000), batch_size=4, num_workers=2)
+        it = iter(nostall.prefetch(loader))
+        next(it)
+        print("leaving")
+    """)
+    assert_clean(done)
+    assert 0 == done.returncode, done.stderr
+
+
+def test_producer_stuck_in_a_slow_source_at_exit() -> None:
+    """A producer inside a long __next__ at exit does not hold the process."""
+    start = time.monotonic()
+    done = run_script("""
+        it = iter(nostall.prefetch(Slow(60), timeout=0.2))
+        try:
+            next(it)
+        except TimeoutError:
+            print("timed out")
+    """)
+    assert_clean(done)
+    assert 0 == done.returncode, done.stderr
+    assert "timed out" in done.stdout
+    assert time.monotonic() - start < 30
+
+
+def test_exception_in_the_loop() -> None:
+    """An uncaught exception in the training loop: exit 1 with the user's traceback."""
+    done = run_script("""
+        for batch in nostall.prefetch(DataLoader(range(100), batch_size=2, num_workers=2)):
+            raise RuntimeError("loss is nan")
+    """)
+    assert_clean(done)
+    assert 1 == done.returncode
+    assert "RuntimeError: loss is nan" in done.stderr
+
+
+def test_sys_exit_in_the_loop() -> None:
+    """sys.exit(3) mid-epoch: exit code 3."""
+    done = run_script("""
+        for batch in nostall.prefetch(Slow(0.01)):
+            sys.exit(3)
+    """)
+    assert_clean(done)
+    assert 3 == done.returncode
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child is POSIX")
+def test_ctrl_c_during_next() -> None:
+    """SIGINT while the consumer waits: KeyboardInterrupt promptly, and the producer stops."""
+    code = PRELUDE + textwrap.dedent("""
+        it = iter(nostall.prefetch(Slow(2.0)))
+        print("waiting", flush=True)
+        start = time.monotonic()
+        try:
+            next(it)
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - start:.2f}", flush=True)
+        try:
+            next(it)
+        except nostall.PrefetcherClosedError as e:
+            print("closed:", e, flush=True)
+        deadline = time.monotonic() + 10
+        while any(t.name.startswith("nostall-") for t in threading.enumerate()):
+            if time.monotonic() > deadline:
+                print("producer still alive", flush=True)
+                break
+            time.sleep(0.01)
+        else:
+            print("producer stopped", flush=True)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert "waiting" == proc.stdout.readline().strip()
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Fatal Python error" not in err
+    assert 0 == proc.returncode, err
+    interrupted = [line for line in out.splitlines() if line.startswith("interrupted after")]
+    assert interrupted, out
+    assert float(interrupted[0].split()[-1]) < 1.5  # the source's next() takes 2 s
+    assert "interrupted by KeyboardInterrupt" in out
+    assert "producer stopped" in out
