@@ -15,9 +15,20 @@ def test_equal_load_and_step_take_close_to_half_the_serial_time() -> None:
 def test_format_names_the_ways_and_the_speed_up() -> None:
     """The table shows each way with its speed-up over serial."""
     result = DemoResult(
-        10, 0.02, 0.02, "cpu", {"serial DataLoader": [0.4, 0.42], "nostall.prefetch": [0.2, 0.21]}
+        10,
+        0.02,
+        0.02,
+        "cpu",
+        {
+            "serial DataLoader": [0.4, 0.42],
+            "nostall.prefetch": [0.2, 0.21],
+            "load only": [0.2],
+            "step only": [0.19],
+        },
     )
     text = format_demo(result)
     assert "2.00x" in text.split("nostall.prefetch")[1]
     assert "1.00x" in text.split("serial DataLoader")[1]
     assert "took 50% of the serial time" in text
+    assert "ideal overlap max(load, step) = 0.200 s" in text
+    assert "(1.02x the ideal overlap)" in text
