@@ -529,6 +529,47 @@ def test_every_tensor_reaches_the_target_device() -> None:
         assert "a" == batch["s"]
 
 
+def test_structure_is_kept_through_the_prefetcher() -> None:
+    """Row 21 end to end: every container type survives the trip, every tensor moves."""
+    from collections import OrderedDict, defaultdict
+    from dataclasses import dataclass
+    from typing import NamedTuple
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+        b: str
+
+    @dataclass(frozen=True)
+    class Item:
+        x: torch.Tensor
+        n: int
+
+    class Own:
+        def to(self, device: Any, non_blocking: bool = False) -> str:
+            return f"moved to {device}"
+
+    batch = {
+        "od": OrderedDict(z=torch.ones(1), a=None),
+        "dd": defaultdict(int, k=torch.ones(1)),
+        "nt": Pair(torch.ones(1), "s"),
+        "dc": Item(torch.ones(1), 3),
+        "own": Own(),
+        "nested": {"deeper": [(torch.ones(1), 7, b"b")]},
+    }
+    (out,) = list(nostall.prefetch([batch], "meta"))
+    assert type(out["od"]) is OrderedDict
+    assert ["z", "a"] == list(out["od"])
+    assert "meta" == out["od"]["z"].device.type
+    assert int is out["dd"].default_factory
+    assert type(out["nt"]) is Pair
+    assert "s" == out["nt"].b
+    assert "meta" == out["dc"].x.device.type
+    assert 3 == out["dc"].n
+    assert "moved to meta" == out["own"]
+    assert "meta" == out["nested"]["deeper"][0][0].device.type
+    assert (7, b"b") == out["nested"]["deeper"][0][1:]
+
+
 def test_producer_threads_are_named() -> None:
     """Threads are named nostall-prefetch-N and are daemons."""
     it = iter(nostall.prefetch(CountingSource(100)))
@@ -611,7 +652,7 @@ def _check_stream_safety(p: Prefetcher[torch.Tensor], steps: int) -> int:
     """Consume ``steps`` batches on a busy stream, overwriting each after use; count bad ones."""
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
     for i, batch in enumerate(p):
-        torch.cuda._sleep(200_000)  # keep the consumer's stream busy, so the copies run ahead
+        torch.cuda._sleep(1_000_000)  # keep the consumer's stream busy, so the copies run ahead
         bad += (batch != float(i)).any().to(torch.int64)
         batch.fill_(-1.0)  # overwrite after use, then drop it
         del batch
