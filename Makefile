@@ -12,11 +12,12 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so that nothing later can pull a newer (CUDA, multi-GB) build.
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,peers,plot]'
 	touch $(STAMP)
 
 bench: $(STAMP)
-	$(VENV)/bin/nostall bench
+	mkdir -p out
+	$(VENV)/bin/nostall bench --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -365,7 +365,7 @@ def test_dead_producer_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer that ends without a word raises ProducerDiedError, never hangs."""
     import nostall._prefetcher as module
 
-    monkeypatch.setattr(module, "produce", lambda channel, batches, staging: None)
+    monkeypatch.setattr(module, "produce", lambda channel: None)
     it = iter(nostall.prefetch(CountingSource(3)))
     start = time.monotonic()
     with pytest.raises(ProducerDiedError, match="ended without delivering batch 0"):

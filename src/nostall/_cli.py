@@ -4,27 +4,49 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from . import __version__
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text})")
-    return value
+N = TypeVar("N", int, float)
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text})")
-    return value
+def _number(kind: Callable[[str], N], low: float, strict: bool) -> Callable[[str], N]:
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low or (strict and value == low):
+            bound = f"> {low:g}" if strict else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound} (got {text})")
+        return value
+
+    return parse
+
+
+def _list_of(kind: Callable[[str], N]) -> Callable[[str], tuple[N, ...]]:
+    def parse(text: str) -> tuple[N, ...]:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except argparse.ArgumentTypeError:
+            raise
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list: {text!r}") from None
+
+    return parse
+
+
+_count = _number(int, 1, strict=False)
+_positive = _number(float, 0, strict=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the ``nostall`` command."""
+    from .bench import BenchConfig
+
+    defaults = BenchConfig()
     parser = argparse.ArgumentParser(
         prog="nostall",
         description="Keep the GPU fed: find and remove input-pipeline stalls in PyTorch training.",
@@ -34,48 +56,165 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="run a slow loader and a slow step serially and through nostall.prefetch",
+        help="run one workload through the usual ways to load data and through nostall",
         description=(
-            "Side-by-side demo: a loader that takes --load-ms per batch and a step that computes "
-            "for --step-ms per batch, run serially and through nostall.prefetch, alternating, "
-            "--repeats times each. Prints the median epoch times and the speed-up."
+            "Train a small convnet on synthetic uint8 images whose loading costs a set multiple "
+            "of the step's time (the load/compute ratio), through each contender: the serial "
+            "DataLoader, the best-practice DataLoader (workers, pin_memory, persistent_workers), "
+            "the seed design (thread + Queue(2)), installed peers (torchdata.nodes, "
+            "prefetch_generator), on GPU a timm-style lookahead, and nostall.prefetch. "
+            "Contenders alternate; medians of --repeats. Prints a table per ratio with the "
+            "winner, hand-off overhead, on CUDA host-to-device GB/s, and the targets."
         ),
     )
-    bench.add_argument("--batches", type=_positive_int, default=40, help="batches per epoch")
-    bench.add_argument("--batch-size", type=_positive_int, default=32, help="samples per batch")
     bench.add_argument(
-        "--load-ms", type=_non_negative_float, default=25.0, help="loading time per batch (ms)"
+        "--batches",
+        type=_count,
+        default=defaults.batches,
+        help="batches per epoch (default: %(default)s)",
     )
     bench.add_argument(
-        "--step-ms", type=_non_negative_float, default=25.0, help="compute time per batch (ms)"
+        "--batch-size",
+        type=_count,
+        default=defaults.batch_size,
+        help="images per batch (default: %(default)s)",
     )
-    bench.add_argument("--depth", type=_positive_int, default=2, help="batches fetched ahead")
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="runs of each way")
     bench.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)"
+        "--image-size",
+        type=_count,
+        default=defaults.image_size,
+        help="image height and width in pixels (default: %(default)s)",
     )
+    bench.add_argument(
+        "--width",
+        type=_count,
+        default=defaults.width,
+        help="convnet width, which scales the step's cost (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--ratios",
+        type=_list_of(_positive),
+        default=defaults.ratios,
+        metavar="R,R,...",
+        help="load/compute ratios to sweep: loading a batch costs R times the "
+        "step (default: 0.25,0.5,1,2,4)",
+    )
+    bench.add_argument(
+        "--depths",
+        type=_list_of(_count),
+        default=defaults.depths,
+        metavar="D,D,...",
+        help="nostall prefetch depths to sweep (default: 2)",
+    )
+    bench.add_argument(
+        "--io-share",
+        type=_number(float, 0, strict=False),
+        default=defaults.io_share,
+        help="share of each sample's loading cost spent waiting (I/O-like "
+        "sleep) rather than computing (hashing, like decoding); 0 to 1 "
+        "(default: %(default)s)",
+    )
+    bench.add_argument(
+        "--workers",
+        type=_count,
+        default=None,
+        help="DataLoader workers for the best-practice loader (default: the "
+        "cores left after the step's threads, at most 8)",
+    )
+    bench.add_argument(
+        "--compute-threads",
+        type=_count,
+        default=None,
+        help="torch threads for the step on CPU (default: half the cores)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_count,
+        default=defaults.repeats,
+        help="repeats of every measurement (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: CUDA when available, else cpu)",
+    )
+    bench.add_argument(
+        "--contenders",
+        type=lambda s: tuple(p.strip() for p in s.split(",")),
+        default=(),
+        metavar="NAME,...",
+        help="run only these contenders (default: all that can run here)",
+    )
+    bench.add_argument(
+        "--handoff-batches",
+        type=_count,
+        default=defaults.handoff_batches,
+        help="batches in the hand-off overhead test (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--h2d-mb",
+        type=_list_of(_positive),
+        default=defaults.h2d_mb,
+        metavar="MB,MB,...",
+        help="batch sizes for the host-to-device test on CUDA (default: 8,32,128)",
+    )
+    bench.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    bench.add_argument(
+        "--plot", metavar="PATH", help="write a PNG chart to PATH (needs matplotlib: nostall[plot])"
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``nostall`` command; returns the exit status (2 for bad usage)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "bench":
-        from ._demo import format_demo, run_demo
-        from ._exceptions import DeviceUnavailableError
+        return _bench(args, parser)
+    return 0
 
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._exceptions import DeviceUnavailableError
+    from .bench import BenchConfig, format_report, run_bench, write_json, write_plot
+
+    if args.plot:  # fail before minutes of measuring, not after
         try:
-            result = run_demo(
-                batches=args.batches,
-                load_ms=args.load_ms,
-                step_ms=args.step_ms,
-                batch_size=args.batch_size,
-                depth=args.depth,
-                repeats=args.repeats,
-                device=args.device,
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                "nostall bench: error: --plot needs matplotlib: pip install 'nostall[plot]'",
+                file=sys.stderr,
             )
-        except (DeviceUnavailableError, ValueError) as e:
-            print(f"nostall bench: error: {e}", file=sys.stderr)
             return 2
-        print(format_demo(result))
+    try:
+        config = BenchConfig(
+            batches=args.batches,
+            batch_size=args.batch_size,
+            image_size=args.image_size,
+            width=args.width,
+            ratios=args.ratios,
+            depths=args.depths,
+            io_share=args.io_share,
+            workers=args.workers,
+            compute_threads=args.compute_threads,
+            repeats=args.repeats,
+            device=args.device,
+            contenders=args.contenders,
+            handoff_batches=args.handoff_batches,
+            h2d_mb=args.h2d_mb,
+            progress=not args.no_progress,
+        )
+        result = run_bench(config)
+    except (DeviceUnavailableError, ValueError) as e:
+        print(f"nostall bench: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
     return 0

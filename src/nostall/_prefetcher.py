@@ -278,7 +278,7 @@ class PrefetchIterator(Iterator[T]):
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
-        channel = Channel(self._depth, _describe(self._source))
+        channel = Channel(self._depth, _describe(self._source), None, self._staging)
         self._state = _RUNNING
         self._channel = channel
         if lineage.one_shot and self._carry_over(channel):
@@ -300,13 +300,14 @@ class PrefetchIterator(Iterator[T]):
             self._channel, self._state = None, _DONE
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
+        channel.batches = batches
+        del batches  # the channel owns the source's iterator now; its producer lets it go
         thread = threading.Thread(
             target=produce,
-            args=(channel, batches, self._staging),
+            args=(channel,),
             name=f"nostall-prefetch-{next(_thread_ids)}",
             daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
         )
-        del batches  # the producer owns the source's iterator now
         channel.thread = thread
         lineage.thread = thread
         lineage.channel = channel if lineage.one_shot else None

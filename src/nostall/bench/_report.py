@@ -1,0 +1,304 @@
+"""What the benchmark derives from its measurements, and how it shows them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _contenders as c
+from ._metrics import (
+    handoff_us,
+    median,
+    overlap_efficiency,
+    samples_per_s,
+    stall_fraction,
+)
+from ._runner import BenchResult, RatioResult
+
+# The peers the hand-off target compares against (the seed design counts as one).
+HANDOFF_PEERS = (c.SEED.name, c.PREFETCH_GENERATOR.name, c.TORCHDATA.name)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One contender at one ratio, as medians over the repeats."""
+
+    contender: str
+    ratio: float
+    epoch_s: float
+    samples_per_s: float
+    efficiency: float
+    stall: float
+    speedup: float  # over the serial DataLoader in the same run
+    unsafe: bool
+
+
+def rows(result: BenchResult, ratio: RatioResult) -> list[Row]:
+    """Derived figures for every contender at one ratio."""
+    samples = result.config.batches * result.config.batch_size
+    compute = median(ratio.compute_only_s)
+    serial_run = ratio.runs.get(c.SERIAL.name)
+    serial = median(serial_run.epoch_s) if serial_run else float("nan")
+    out = []
+    for run in ratio.runs.values():
+        epoch = median(run.epoch_s)
+        load = median(ratio.load_only_s[run.source])
+        stalls = [stall_fraction(w, e) for w, e in zip(run.wait_s, run.epoch_s, strict=True)]
+        out.append(
+            Row(
+                run.contender,
+                ratio.ratio,
+                epoch,
+                samples_per_s(samples, epoch),
+                overlap_efficiency(epoch, load, compute),
+                median(stalls),
+                serial / epoch,
+                run.unsafe,
+            )
+        )
+    return out
+
+
+def handoff_table(result: BenchResult) -> dict[str, float]:
+    """Hand-off overhead per batch (microseconds) of each prefetcher over the serial loop."""
+    times = result.handoff_s
+    if c.SERIAL.name not in times:
+        return {}
+    baseline = median(times[c.SERIAL.name])
+    n = result.config.handoff_batches
+    return {
+        name: handoff_us(median(t), baseline, n)
+        for name, t in times.items()
+        if name != c.SERIAL.name
+    }
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target from the benchmark's brief, and whether this run met it."""
+
+    name: str
+    met: bool | None  # None: not measurable in this run
+    detail: str
+
+
+def targets(result: BenchResult) -> list[Target]:
+    """Check the measured figures against the targets."""
+    out: list[Target] = []
+    nostall_names = [
+        n
+        for n in (c.NOSTALL.name, c.NOSTALL_WORKERS.name)
+        if any(n in r.runs for r in result.ratios)
+    ]
+    for name in nostall_names:
+        worst = []
+        ok = True
+        for ratio in result.ratios:
+            row = next(r for r in rows(result, ratio) if r.contender == name)
+            limit = 1.10 if ratio.ratio == 1 else 1.05
+            ok &= row.efficiency <= limit
+            worst.append(f"{ratio.ratio:g}: {row.efficiency:.2f}")
+        out.append(Target(f"{name}: E <= 1.05 (<= 1.10 at ratio 1)", ok, ", ".join(worst)))
+        fractions = []
+        ok = True
+        checked = False
+        for ratio in result.ratios:
+            if ratio.ratio > 0.9:
+                continue
+            checked = True
+            row = next(r for r in rows(result, ratio) if r.contender == name)
+            ok &= row.stall <= 0.05
+            fractions.append(f"{ratio.ratio:g}: {row.stall:.1%}")
+        out.append(
+            Target(
+                f"{name}: stall <= 5% where load <= 0.9 x compute",
+                ok if checked else None,
+                ", ".join(fractions) or "no such ratio run",
+            )
+        )
+    handoff = handoff_table(result)
+    peers = {k: v for k, v in handoff.items() if k in HANDOFF_PEERS}
+    if c.NOSTALL.name in handoff and peers:
+        best_name = min(peers, key=lambda k: peers[k])
+        ours = handoff[c.NOSTALL.name]
+        out.append(
+            Target(
+                "hand-off <= 0.6 x the best peer's",
+                ours <= 0.6 * peers[best_name],
+                f"nostall {ours:.1f} us vs {best_name} {peers[best_name]:.1f} us "
+                f"({ours / peers[best_name]:.2f}x)"
+                if peers[best_name] > 0
+                else "peer at 0 us",
+            )
+        )
+    if result.h2d:
+        big = [h for h in result.h2d if h["megabytes"] >= 8]
+        shares = [h["nostall_pinned_source_gb_s"] / h["raw_pinned_gb_s"] for h in big]
+        out.append(
+            Target(
+                "host-to-device >= 90% of a raw pinned copy (>= 8 MB)",
+                bool(shares) and min(shares) >= 0.9,
+                ", ".join(
+                    f"{h['megabytes']:.0f} MB: {s:.0%}" for h, s in zip(big, shares, strict=True)
+                ),
+            )
+        )
+        at_one = [r for r in result.ratios if r.ratio == 1]
+        if at_one:
+            table = {row.contender: row for row in rows(result, at_one[0])}
+            best = table.get(c.BEST_PRACTICE.name)
+            ours_rows = [table[n] for n in nostall_names if n in table]
+            if best and ours_rows:
+                top = max(ours_rows, key=lambda r: r.samples_per_s)
+                gain = top.samples_per_s / best.samples_per_s
+                out.append(
+                    Target(
+                        "samples/s >= 1.2 x best-practice DataLoader at ratio 1",
+                        gain >= 1.2,
+                        f"{top.contender}: {gain:.2f}x",
+                    )
+                )
+    return out
+
+
+def format_report(result: BenchResult) -> str:
+    """The terminal report: a table per ratio with the winner named, hand-off, H2D, targets."""
+    cfg, m = result.config, result.machine
+    lines = [
+        f"nostall bench on {m['device']}{' (' + m['gpu'] + ')' if 'gpu' in m else ''}: "
+        f"torch {m['torch']}, {m['cpu_cores']} cores, {m['workers']} loader workers, "
+        f"{m['compute_threads']} compute threads",
+        f"workload: {cfg.batches} batches x {cfg.batch_size} images 3x{cfg.image_size}x"
+        f"{cfg.image_size} uint8, convnet width {cfg.width}: "
+        f"{result.compute_ms_per_batch:.1f} ms/batch compute; medians of {cfg.repeats} "
+        f"alternating repeats",
+        "E = epoch / max(load only, compute only); stall = time waiting for the next batch / epoch",
+    ]
+    for ratio in result.ratios:
+        table = rows(result, ratio)
+        lines += [
+            "",
+            f"load/compute ratio {ratio.ratio:g} (loading "
+            f"{ratio.load_ms_per_sample:.2f} ms per sample)",
+            f"  {'contender':<34}{'samples/s':>10}{'epoch s':>9}{'E':>7}{'stall':>8}"
+            f"{'vs serial':>11}",
+        ]
+        for row in table:
+            mark = " (unsafe)" if row.unsafe else ""
+            lines.append(
+                f"  {row.contender + mark:<34}{row.samples_per_s:>10.0f}"
+                f"{row.epoch_s:>9.3f}{row.efficiency:>7.2f}{row.stall:>8.1%}"
+                f"{row.speedup:>10.2f}x"
+            )
+        lines.append("  " + _verdict(table))
+    handoff = handoff_table(result)
+    if handoff:
+        lines += [
+            "",
+            f"hand-off overhead per batch on an instant in-memory source "
+            f"({cfg.handoff_batches} batches, over a plain loop)",
+        ]
+        for name, us in sorted(handoff.items(), key=lambda kv: kv[1]):
+            lines.append(f"  {name:<34}{us:>8.1f} us")
+    if result.h2d:
+        lines += [
+            "",
+            "host-to-device GB/s",
+            f"  {'MB':>6}{'raw pinned':>12}{'pageable':>10}{'nostall (pinned src)':>22}"
+            f"{'nostall (pins itself)':>23}",
+        ]
+        for h in result.h2d:
+            lines.append(
+                f"  {h['megabytes']:>6.0f}{h['raw_pinned_gb_s']:>12.1f}"
+                f"{h['raw_pageable_gb_s']:>10.1f}{h['nostall_pinned_source_gb_s']:>22.1f}"
+                f"{h['nostall_pageable_source_gb_s']:>23.1f}"
+            )
+    checks = targets(result)
+    if checks:
+        lines += ["", "targets"]
+        for t in checks:
+            state = {True: "met", False: "NOT met", None: "n/a"}[t.met]
+            lines.append(f"  [{state}] {t.name}: {t.detail}")
+    return "\n".join(lines)
+
+
+def _verdict(table: list[Row]) -> str:
+    safe = [r for r in table if not r.unsafe]
+    if not safe:
+        return "no safe contender ran"
+    best = max(safe, key=lambda r: r.samples_per_s)
+    others = [r for r in safe if r is not best]
+    if not others:
+        return f"only {best.contender} ran"
+    runner_up = max(others, key=lambda r: r.samples_per_s)
+    return (
+        f"winner: {best.contender}, {best.samples_per_s / runner_up.samples_per_s:.2f}x the "
+        f"next ({runner_up.contender}), {best.speedup:.2f}x serial"
+    )
+
+
+def to_dict(result: BenchResult) -> dict[str, Any]:
+    """Every raw and derived figure, for ``--json``."""
+    raw = dataclasses.asdict(result)
+    raw["config"]["device"] = str(result.config.device)
+    raw["derived"] = {
+        "rows": [dataclasses.asdict(r) for ratio in result.ratios for r in rows(result, ratio)],
+        "handoff_us": handoff_table(result),
+        "targets": [dataclasses.asdict(t) for t in targets(result)],
+    }
+    return raw
+
+
+def write_json(result: BenchResult, path: str | Path) -> None:
+    """Write :func:`to_dict` as JSON."""
+    Path(path).write_text(json.dumps(to_dict(result), indent=2) + "\n")
+
+
+def write_plot(result: BenchResult, path: str | Path) -> None:
+    """Write a PNG: samples/s and stall per contender at ratio 1 (or the first), E by ratio.
+
+    Raises:
+        ImportError: matplotlib is missing, with the command that installs it.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "--plot needs matplotlib: pip install 'nostall[plot]' (or pip install matplotlib)"
+        ) from e
+    focus = next((r for r in result.ratios if r.ratio == 1), result.ratios[0])
+    table = rows(result, focus)
+    names = [r.contender + (" (unsafe)" if r.unsafe else "") for r in table]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
+    axes[0].barh(names, [r.samples_per_s for r in table], color="tab:blue")
+    axes[0].set_xlabel("samples/s")
+    axes[0].set_title(f"throughput at load/compute ratio {focus.ratio:g}")
+    axes[0].invert_yaxis()
+    axes[1].barh(names, [100 * r.stall for r in table], color="tab:red")
+    axes[1].set_xlabel("% of the epoch waiting for data")
+    axes[1].set_title("stall fraction")
+    axes[1].invert_yaxis()
+    axes[1].set_yticklabels([])
+    ratios = [r.ratio for r in result.ratios]
+    for name in focus.runs:
+        series = [
+            next(row.efficiency for row in rows(result, r) if row.contender == name)
+            for r in result.ratios
+        ]
+        axes[2].plot(ratios, series, marker="o", label=name)
+    axes[2].axhline(1.0, color="black", linewidth=0.8)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("load / compute ratio")
+    axes[2].set_ylabel("E = epoch / max(load, compute)")
+    axes[2].set_title("overlap efficiency (1 is perfect)")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"nostall bench: {result.machine['device']}, torch {result.machine['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
