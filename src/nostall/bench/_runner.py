@@ -122,8 +122,8 @@ class Progress:
             sys.stderr.write("\r\033[K" + line[:120])
             if self.done >= self.total:
                 sys.stderr.write("\n")
-        else:
-            sys.stderr.write(line + "\n")
+        elif 10 * self.done // self.total > 10 * (self.done - 1) // self.total:
+            sys.stderr.write(line + "\n")  # a log file gets a line per tenth, not per step
         sys.stderr.flush()
 
 
