@@ -13,11 +13,14 @@ import torch
 
 from nostall import PrefetchTimeoutError, ProducerDiedError
 from nostall._channel import BATCH, END, ERROR, Channel, add_note, produce, stop_all_producers
+from nostall._epochs import EpochSource
 from nostall._transfer import Staging
+
+CPU = torch.device("cpu")
 
 
 def start(channel_depth: int, describe: str, batches: Iterable[Any]) -> Channel:
-    channel = Channel(channel_depth, describe, iter(batches), Staging(torch.device("cpu")))
+    channel = Channel(channel_depth, describe, iter(batches), Staging(CPU), EpochSource([], False))
     thread = threading.Thread(
         target=produce, args=(channel,), name="nostall-test-producer", daemon=True
     )
@@ -30,8 +33,8 @@ def test_messages_in_order_then_end() -> None:
     """Batches arrive in order, then the end with the count."""
     channel = start(2, "list", [torch.tensor(i) for i in range(5)])
     kinds = [channel.get(i, None) for i in range(6)]
-    assert [BATCH] * 5 + [END] == [k for k, _ in kinds]
-    assert [0, 1, 2, 3, 4] == [int(p.batch) for _, p in kinds[:5]]
+    assert [BATCH] * 5 + [END] == [m[0] for m in kinds]
+    assert [0, 1, 2, 3, 4] == [int(m[1].batch) for m in kinds[:5]]
     assert 5 == kinds[5][1]
 
 
@@ -64,7 +67,7 @@ def test_error_message_carries_the_same_object() -> None:
 
     channel = start(2, "gen", source())
     assert BATCH == channel.get(0, None)[0]
-    kind, payload = channel.get(1, None)
+    kind, payload, _, _ = channel.get(1, None)
     assert ERROR == kind
     assert payload is error
 
@@ -84,14 +87,13 @@ def test_timeout_while_the_producer_is_busy() -> None:
 
 def test_consumer_pulls_itself_when_the_producer_is_idle() -> None:
     """Nothing queued and the producer not pulling: the consumer pulls, in order, no slot."""
-    channel = Channel(
-        1, "list", iter([torch.tensor(i) for i in range(3)]), Staging(torch.device("cpu"))
-    )
+    batches = iter([torch.tensor(i) for i in range(3)])
+    channel = Channel(1, "list", batches, Staging(CPU), EpochSource([], False))
     channel.thread = threading.current_thread()  # a live "producer" that never pulls
     channel.slots.acquire()  # as if the producer held the only slot
     out = [channel.get(i, None) for i in range(4)]
-    assert [BATCH, BATCH, BATCH, END] == [k for k, _ in out]
-    assert [0, 1, 2] == [int(p.batch) for _, p in out[:3]]
+    assert [BATCH, BATCH, BATCH, END] == [m[0] for m in out]
+    assert [0, 1, 2] == [int(m[1].batch) for m in out[:3]]
     assert channel.batches is None
 
 
@@ -111,7 +113,7 @@ def test_consumer_waits_while_the_producer_pulls() -> None:
     channel = start(1, "Slow", source())
     in_next.wait(1)
     out = [channel.get(i, None) for i in range(5)]
-    assert [0, 1, 2, 3] == [int(p.batch) for _, p in out[:4]]
+    assert [0, 1, 2, 3] == [int(m[1].batch) for m in out[:4]]
     assert "nostall-test-producer" == spans[0][0]  # the batch being pulled was waited for
     for (_, _, end), (_, begin, _) in itertools.pairwise(spans):
         assert end <= begin  # one puller at a time
@@ -119,7 +121,7 @@ def test_consumer_waits_while_the_producer_pulls() -> None:
 
 def test_no_pull_here_with_a_timeout() -> None:
     """With a timeout the consumer only waits, so that the timeout can fire."""
-    channel = Channel(1, "list", iter([torch.tensor(0)]), Staging(torch.device("cpu")))
+    channel = Channel(1, "list", iter([torch.tensor(0)]), Staging(CPU), EpochSource([], False))
     channel.thread = threading.current_thread()
     with pytest.raises(PrefetchTimeoutError):
         channel.get(0, 0.05)
@@ -128,12 +130,12 @@ def test_no_pull_here_with_a_timeout() -> None:
 def test_get_without_a_producer_raises() -> None:
     """No thread and nothing queued: ProducerDiedError, not a hang."""
     with pytest.raises(ProducerDiedError):
-        Channel(1, "x", None, Staging(torch.device("cpu"))).get(0, None)
+        Channel(1, "x", None, Staging(CPU), EpochSource([], False)).get(0, None)
 
 
 def test_dead_producer_is_reported_not_replaced() -> None:
     """A dead producer with the source unfinished: an error, not a silent inline loop."""
-    channel = Channel(1, "list", iter([torch.tensor(0)]), Staging(torch.device("cpu")))
+    channel = Channel(1, "list", iter([torch.tensor(0)]), Staging(CPU), EpochSource([], False))
     channel.thread = threading.Thread(target=lambda: None)
     channel.thread.start()
     channel.thread.join()

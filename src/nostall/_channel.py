@@ -1,8 +1,9 @@
 """The bounded hand-off between one producer thread and its consumer, and the producer loop.
 
-The producer thread is given only a :class:`Channel`, the source's iterator and the staging
-object; it holds no reference to the prefetcher or to the iteration that started it, so dropping
-those is enough for the garbage collector to collect them and stop the thread.
+The producer thread is given only a :class:`Channel` (the source's iterator, the staging object
+and the epoch opener travel inside it); it holds no reference to the prefetcher or to the
+iteration that started it, so dropping those is enough for the garbage collector to collect
+them and stop the thread.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._epochs import EpochSource
 from ._exceptions import PrefetchTimeoutError, ProducerDiedError
 from ._transfer import Staging
 
@@ -29,70 +31,103 @@ BATCH = "batch"
 END = "end"
 ERROR = "error"
 
+#: (kind, payload, epoch, state): a staged batch, an epoch's end (payload: its batch count) or
+#: an error; the epoch it belongs to; what a state saved right after it needs.
+Message = tuple[str, Any, int, Any]
+
 
 class Channel:
     """A bounded queue of staged batches from one producer thread to one consumer.
 
     Invariants:
         * ``slots`` value + messages in ``items`` + (1 while the producer holds a slot)
-          == ``depth``. The producer takes a slot before it pulls a batch from the source and
-          the consumer gives it back when it takes the batch, so at most ``depth`` batches have
-          been pulled from the source and not yet handed to the consumer.
+          == ``depth``. The producer takes a slot before it pulls from the source and the
+          consumer gives it back when it takes the message, so at most ``depth`` batches (and
+          epoch ends) have been pulled and not yet handed to the consumer, across epochs too.
         * Pulls are serialised by ``pull_lock``, and a pulled batch is queued before the lock is
           released. When nothing is queued and the producer is not pulling, the consumer may
           pull the next batch itself (see :meth:`get`): it would otherwise wait for the same
           work, and on a fast source this saves two thread switches per batch. Both rules
           together keep every batch once and in order.
+        * Once ``finished``, nothing more is pulled.
     """
 
     def __init__(
-        self, depth: int, describe: str, batches: Iterator[Any] | None, staging: Staging
+        self,
+        depth: int,
+        describe: str,
+        batches: Iterator[Any] | None,
+        staging: Staging,
+        epochs: EpochSource,
+        *,
+        epoch: int = 0,
+        pulled: int = 0,
     ) -> None:
         self.depth = depth
         self.describe = describe  # the source, for messages
         self.staging = staging
-        #: The source's iterator; None once it ended, failed, or the producer let it go.
+        self.epochs = epochs
+        #: The source's iterator for ``epoch``; None between epochs and once finished.
         self.batches = batches
+        self.epoch = epoch  # the epoch being pulled
+        self.pulled = pulled  # batches of that epoch taken from the source so far
+        #: Nothing more will be pulled: the source ended (one epoch), failed, or was let go.
+        self.finished = False
         self.slots = threading.Semaphore(depth)
-        self.items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.items: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.pull_lock = threading.Lock()
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
-        self.pulled = 0  # batches taken from the source so far
         #: What the puller is doing now; read in error messages.
         self.phase = "not started"
 
     # -- either side, holding pull_lock ----------------------------------------------------------
 
-    def pull(self) -> tuple[str, Any]:
+    def pull(self) -> Message:
         """Take the next batch from the source and stage it; the caller holds ``pull_lock``.
 
-        Returns a message: the staged batch, the end (with the batch count) or the error, the
-        same object with a note of where it happened. After the end or an error the source's
-        iterator is let go.
+        Errors come back as the same object with a note of where they happened. Across
+        epochs, an epoch's end is followed by the next epoch's batches.
         """
-        assert self.batches is not None
-        index = self.pulled
+        epoch = self.epoch
         name = threading.current_thread().name
+        if self.batches is None:  # across epochs: the next one starts here
+            self.phase = f"iter(source) for epoch {epoch}"
+            try:
+                self.batches, self.pulled = self.epochs.open(epoch)
+            except BaseException as e:
+                return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
+        index = self.pulled
         self.phase = f"next(source) for batch {index}"
         try:
             batch = next(self.batches)
         except StopIteration:
             self.batches = None
-            return END, index
+            if self.epochs.across_epochs:
+                self.epoch, self.pulled = epoch + 1, 0
+            else:
+                self.finished = True
+            return self._with_state(END, index, epoch, self.epochs.end_state)
         except BaseException as e:
-            self.batches = None
-            return ERROR, _noted(e, f"raised by next(source) for batch {index}, in thread {name!r}")
+            return self._failed(e, f"raised by next(source) for batch {index}, in {name!r}")
         self.phase = f"moving batch {index} to {self.staging.device}"
         try:
             staged = self.staging.stage(batch)
         except BaseException as e:
-            self.batches = None
-            return ERROR, _noted(
-                e, f"raised while moving batch {index} to {self.staging.device}, in thread {name!r}"
-            )
+            where = f"raised while moving batch {index} to {self.staging.device}, in {name!r}"
+            return self._failed(e, where)
         self.pulled += 1
-        return BATCH, staged
+        return self._with_state(BATCH, staged, epoch, lambda: self.epochs.batch_state(epoch))
+
+    def _with_state(self, kind: str, payload: Any, epoch: int, state: Callable[[], Any]) -> Message:
+        try:
+            return kind, payload, epoch, state()
+        except BaseException as e:
+            return self._failed(e, "raised by the source's state_dict()")
+
+    def _failed(self, error: BaseException, where: str) -> Message:
+        self.batches, self.finished = None, True
+        return ERROR, _noted(error, where), self.epoch, None
 
     # -- producer side -------------------------------------------------------------------------
 
@@ -103,13 +138,13 @@ class Channel:
                 return False
         return not self.stop.is_set()
 
-    def put(self, kind: str, payload: Any) -> None:
+    def put(self, message: Message) -> None:
         """Send a message that already owns a slot."""
-        self.items.put((kind, payload))
+        self.items.put(message)
 
     # -- consumer side -------------------------------------------------------------------------
 
-    def get(self, index: int, timeout: float | None) -> tuple[str, Any]:
+    def get(self, index: int, timeout: float | None) -> Message:
         """Return the next message; ``index`` is the batch's number in the epoch, for messages.
 
         Without a ``timeout``, when nothing is queued and the producer is not inside the
@@ -130,20 +165,20 @@ class Channel:
         self.slots.release()
         return message
 
-    def _pull_here(self) -> tuple[str, Any] | None:
+    def _pull_here(self) -> Message | None:
         thread = self.thread
-        if self.batches is None or thread is None or not thread.is_alive():
+        if self.finished or thread is None or not thread.is_alive():
             return None  # nothing to pull, or a dead producer that _wait must report
         if not self.pull_lock.acquire(blocking=False):
             return None  # the producer is pulling: wait for its batch
         try:
-            if self.batches is None or not self.items.empty():
+            if self.finished or not self.items.empty():
                 return None  # it queued one just before we took the lock: _wait takes it
             return self.pull()
         finally:
             self.pull_lock.release()
 
-    def _wait(self, index: int, timeout: float | None) -> tuple[str, Any]:
+    def _wait(self, index: int, timeout: float | None) -> Message:
         start = time.monotonic()
         while True:
             wait = POLL_S
@@ -175,7 +210,7 @@ class Channel:
     def _thread_name(self) -> str:
         return repr(self.thread.name) if self.thread is not None else "(none)"
 
-    def drain(self) -> list[tuple[str, Any]]:
+    def drain(self) -> list[Message]:
         """Take every message still queued (the producer must have ended)."""
         messages = []
         while True:
@@ -199,7 +234,7 @@ def add_note(error: BaseException, note: str) -> None:
 
 
 def produce(channel: Channel) -> None:
-    """Body of a producer thread: pull, stage and send batches until the end, an error or stop.
+    """Body of a producer thread: pull, stage and send batches until finished or stopped.
 
     Every batch pulled from the source is sent, even when a stop arrives meanwhile, so that a
     one-shot source loses nothing. The source's iterator is let go here, in this thread, when
@@ -213,28 +248,22 @@ def produce(channel: Channel) -> None:
             if channel.acquire():
                 name = threading.current_thread().name
                 with channel.pull_lock:
-                    channel.batches = None
-                    channel.put(
-                        ERROR,
-                        _noted(
-                            e,
-                            f"raised in thread {name!r} while preparing it "
-                            f"for {channel.staging.device}",
-                        ),
-                    )
+                    where = f"raised in {name!r} while preparing it for {channel.staging.device}"
+                    channel.put(channel._failed(e, where))
             return
         while channel.acquire():
             with channel.pull_lock:
-                if channel.batches is None:
+                if channel.finished:
                     return  # the consumer pulled the end or an error itself
-                kind, payload = channel.pull()
-                channel.put(kind, payload)
-            del payload  # the consumer owns the batch now
-            if kind is not BATCH:
+                message = channel.pull()
+                channel.put(message)
+            kind = message[0]
+            del message  # the consumer owns the batch now
+            if kind is ERROR or (kind is END and not channel.epochs.across_epochs):
                 return
     finally:
         with channel.pull_lock:
-            channel.batches = None
+            channel.batches, channel.finished = None, True
         channel.phase = "ended"
         _live.discard(channel)
 

@@ -9,8 +9,12 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
+from torch.utils.data import DataLoader
+
 from ._channel import BATCH, END, POLL_S, Channel, add_note, join_quietly, produce
 from ._device import DeviceLike, resolve_device
+from ._epochs import EpochSource, build_state, capture_rng, check_state, describe_order
+from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
 from ._transfer import CudaStaging, Staging
 
@@ -29,6 +33,7 @@ def prefetch(
     depth: int = 2,
     pin_memory: bool | None = None,
     timeout: float | None = None,
+    across_epochs: bool = False,
 ) -> Prefetcher[T]:
     """Wrap ``source`` so that its next batches are loaded and moved to ``device`` meanwhile.
 
@@ -42,20 +47,29 @@ def prefetch(
         depth: how many batches may be fetched ahead of the consumer (an int >= 1).
         pin_memory: pin host tensors before copying them to a GPU (default: on for CUDA).
         timeout: seconds to wait for one batch before raising ``PrefetchTimeoutError``.
+        across_epochs: keep fetching into the next epoch when one ends (calling the source's
+            ``set_epoch``), so that no epoch starts with an empty pipeline.
     """
-    return Prefetcher(source, device, depth=depth, pin_memory=pin_memory, timeout=timeout)
+    return Prefetcher(
+        source,
+        device,
+        depth=depth,
+        pin_memory=pin_memory,
+        timeout=timeout,
+        across_epochs=across_epochs,
+    )
 
 
 class Prefetcher(Generic[T]):
     """An iterable over ``source``'s batches, fetched ahead in a thread and moved to ``device``.
 
     Concurrency invariants:
-        * Each ``iter()`` makes one iteration (an epoch). It takes nothing from the source until
+        * Each ``iter()`` makes one iteration: one epoch. It takes nothing from the source until
           its first ``next()``, which creates the source's iterator in the calling thread and
           starts one producer thread, named ``nostall-prefetch-N``.
         * At most ``depth`` batches have been pulled from the source and not yet handed out.
-        * At most one producer pulls from the source: a new ``iter()`` stops the previous
-          iteration, and its first ``next()`` waits for the previous producer to end.
+        * At most one thread pulls from the source at a time: a new ``iter()`` stops the
+          previous iteration, and its first ``next()`` waits for the previous producer to end.
         * On CUDA, one copy stream per prefetcher; each batch is handed out only after the
           consumer's current stream waits on the batch's copy event, and its tensors are
           ``record_stream``-ed on that stream (see :class:`~nostall._transfer.CudaStaging`).
@@ -64,6 +78,16 @@ class Prefetcher(Generic[T]):
         * The producer holds no reference to the prefetcher or the iteration: dropping the
           iteration (``break``, ``del``, garbage collection) stops its thread within
           ``POLL_S`` seconds, or as soon as the source's ``__next__`` returns.
+
+    Epochs: the prefetcher counts them (:attr:`epoch`, from 0 or the last :meth:`set_epoch`).
+    With ``across_epochs=True`` the producer does not stop at an epoch's end: it calls the
+    source's ``set_epoch(e + 1)`` and starts epoch e + 1 at once, still within ``depth``; the
+    next ``iter()`` continues from there. ``set_epoch(k)`` for the epoch already started ahead
+    changes nothing; any other ``k`` discards what was fetched ahead.
+
+    State: :meth:`state_dict` counts batches handed to the user, never batches fetched ahead;
+    :meth:`load_state_dict` on a fresh prefetcher over an identically built source resumes
+    exactly there (see :mod:`nostall._epochs`).
 
     Lifecycle: open until :meth:`close` (idempotent; also on leaving a ``with`` block); iterating
     a closed prefetcher raises :class:`~nostall.PrefetcherClosedError`.
@@ -80,28 +104,42 @@ class Prefetcher(Generic[T]):
         depth: int = 2,
         pin_memory: bool | None = None,
         timeout: float | None = None,
+        across_epochs: bool = False,
     ) -> None:
         _check_iterable(source)
         _check_depth(depth)
         _check_timeout(timeout)
-        if pin_memory is not None and not isinstance(pin_memory, bool):
-            raise ValueError(
-                f"pin_memory must be True, False or None (got {pin_memory!r} that is a "
-                f"{type(pin_memory).__name__})"
-            )
+        for name, flag in (("pin_memory", pin_memory), ("across_epochs", across_epochs)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ValueError(
+                    f"{name} must be True, False{' or None' if name == 'pin_memory' else ''} "
+                    f"(got {flag!r} that is a {type(flag).__name__})"
+                )
         self._source = source
         self.device = resolve_device(device)
         self.depth = depth
         self.timeout = timeout
+        self.across_epochs = across_epochs
         if self.device.type == "cuda":
             self.pin_memory = True if pin_memory is None else pin_memory
             self._staging: Staging = CudaStaging(self.device, self.pin_memory)
         else:
             self.pin_memory = False  # pinned memory only speeds up copies to a GPU
             self._staging = Staging(self.device)
-        self._lineage = _Lineage(_one_shot=isinstance(source, Iterator))
-        self._active: weakref.ref[PrefetchIterator[T]] | None = None
+        self._lineage = _Lineage(isinstance(source, Iterator), EpochSource(source, across_epochs))
         self._closed = False
+        # Across epochs the producer outlives each iteration; once nobody can start the next
+        # one, stop it (the finaliser holds the lineage only, never the prefetcher).
+        weakref.finalize(self, _Lineage.owner_gone, self._lineage)
+        if across_epochs and _restarts_workers(source):
+            warnings.warn(
+                "nostall: across_epochs=True over a DataLoader with workers but without "
+                "persistent_workers=True: the next epoch's first batches are fetched early, but "
+                "each epoch still starts new worker processes (and copies the dataset into "
+                "them). Pass persistent_workers=True to the DataLoader to keep them.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @property
     def source(self) -> Iterable[T]:
@@ -113,6 +151,11 @@ class Prefetcher(Generic[T]):
         """True once :meth:`close` was called."""
         return self._closed
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration yields (or the one in progress)."""
+        return self._lineage.epoch
+
     def __iter__(self) -> PrefetchIterator[T]:
         """Start a new iteration (lazily: nothing is fetched until its first ``next()``)."""
         if self._closed:
@@ -120,11 +163,12 @@ class Prefetcher(Generic[T]):
                 "this Prefetcher was closed; create a new one with nostall.prefetch(source) to "
                 "iterate again"
             )
-        previous = self._active() if self._active is not None else None
+        lineage = self._lineage
+        previous = lineage.active_iteration()
         if previous is not None:
             previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
         iteration: PrefetchIterator[T] = PrefetchIterator(self)
-        self._active = weakref.ref(iteration)
+        lineage.active = weakref.ref(iteration)
         return iteration
 
     def __len__(self) -> int:
@@ -142,25 +186,76 @@ class Prefetcher(Generic[T]):
         return getattr(source, name)
 
     def set_epoch(self, epoch: int) -> None:
-        """Forward ``set_epoch(epoch)`` to the first of these that has it.
+        """Start counting from ``epoch`` and forward ``set_epoch(epoch)`` to the source.
 
-        The source, its ``sampler``, its ``batch_sampler``, the ``batch_sampler``'s ``sampler``,
-        its ``dataset``. Nothing happens when none has it. Call it before iterating: the
-        source's order is drawn when the iteration's first ``next()`` creates its iterator.
+        It reaches the first of these that has ``set_epoch``: the source, its ``sampler``, its
+        ``batch_sampler``, the ``batch_sampler``'s ``sampler``, its ``dataset`` (nothing happens
+        when none has it). Call it before iterating: the order is drawn when the iteration's
+        first ``next()`` creates the source's iterator. With ``across_epochs``, calling it for
+        the epoch already started ahead is a no-op; any other epoch discards what was fetched
+        ahead.
         """
-        source = self._source
-        batch_sampler = getattr(source, "batch_sampler", None)
-        for target in (
-            source,
-            getattr(source, "sampler", None),
-            batch_sampler,
-            getattr(batch_sampler, "sampler", None),
-            getattr(source, "dataset", None),
-        ):
-            method = getattr(target, "set_epoch", None)
-            if callable(method):
-                method(epoch)
-                return
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0 (got {epoch!r})")
+        lineage = self._lineage
+        if lineage.ahead is not None and epoch == lineage.epoch:
+            return  # the producer already started this epoch, with set_epoch(epoch)
+        lineage.discard_ahead()
+        if lineage.position is not None and lineage.position[0] != epoch:
+            lineage.position = None
+        if lineage.epochs.resume is not None and lineage.epochs.resume["epoch"] != epoch:
+            warnings.warn(
+                f"nostall: set_epoch({epoch}) after load_state_dict() of a state for epoch "
+                f"{lineage.epochs.resume['epoch']}: the loaded state is dropped",
+                UserWarning,
+                stacklevel=2,
+            )
+            lineage.epochs.resume = lineage.loaded = None
+        lineage.epoch = epoch
+        _forward_set_epoch(self._source, epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the user is: the epoch and the batches of it already handed out.
+
+        Batches fetched ahead are not counted. Save it with your checkpoint; give it to
+        :meth:`load_state_dict` of a fresh prefetcher over an identically built source.
+        """
+        lineage = self._lineage
+        if lineage.loaded is not None and lineage.position is None:
+            return lineage.loaded
+        epochs = lineage.epochs
+        if lineage.position is None:
+            epoch, yielded = lineage.epoch, 0
+            saved = (
+                epochs.end_state()
+                if epochs.stateful
+                else {"rng": capture_rng(self._source), "sampler_epoch": None}
+            )
+        else:
+            epoch, yielded, saved = lineage.position
+        if epochs.stateful:
+            return build_state(epoch, yielded, saved, None, {})
+        return build_state(epoch, yielded, None, saved, describe_order(self._source))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state``: the next iteration yields the rest of its epoch.
+
+        Raises:
+            ValueError: the state is not one nostall wrote, or does not fit this source
+                (another length, another sampler, another kind of loader).
+        """
+        if self._closed:
+            raise PrefetcherClosedError("this Prefetcher was closed; it cannot load a state")
+        lineage = self._lineage
+        checked = check_state(state, lineage.epochs)
+        active = lineage.active_iteration()
+        if active is not None:
+            active._stop("load_state_dict() was called on the Prefetcher")
+        lineage.discard_ahead()
+        lineage.epoch = checked["epoch"]
+        lineage.epochs.resume = checked
+        lineage.loaded = checked
+        lineage.position = None
 
     def close(self) -> None:
         """Stop the current iteration and its producer thread; idempotent.
@@ -171,11 +266,12 @@ class Prefetcher(Generic[T]):
         if self._closed:
             return
         self._closed = True
-        active = self._active() if self._active is not None else None
+        lineage = self._lineage
+        active = lineage.active_iteration()
         if active is not None:
             active._stop("the Prefetcher was closed")
-        self._active = None
-        lineage = self._lineage
+        lineage.active = None
+        lineage.discard_ahead()
         if not join_quietly(lineage.thread, CLOSE_JOIN_S) and lineage.thread is not None:
             warnings.warn(
                 f"nostall: producer thread {lineage.thread.name!r} is still inside the source's "
@@ -200,18 +296,44 @@ class Prefetcher(Generic[T]):
 
 
 class _Lineage:
-    """What consecutive iterations of one Prefetcher hand on to each other.
+    """What consecutive iterations of one Prefetcher share and hand on to each other.
 
-    Holds no reference to the Prefetcher or to its iterations.
+    Holds no reference to the Prefetcher (only weak ones to its iterations), so that a
+    finaliser can use it after the Prefetcher is gone.
     """
 
-    __slots__ = ("channel", "exhausted", "one_shot", "thread")
-
-    def __init__(self, _one_shot: bool) -> None:
-        self.one_shot = _one_shot  # the source is its own iterator (a generator, say)
+    def __init__(self, one_shot: bool, epochs: EpochSource) -> None:
+        self.one_shot = one_shot  # the source is its own iterator (a generator, say)
+        self.epochs = epochs
+        self.epoch = 0  # the epoch the next (or current) iteration yields
+        #: (epoch, batches handed out in it, state needed to resume there); None before any.
+        self.position: tuple[int, int, Any] | None = None
+        self.loaded: dict[str, Any] | None = None  # a state loaded and not yet iterated
         self.thread: threading.Thread | None = None  # the latest producer
-        self.channel: Channel | None = None  # its channel, kept for a one-shot source only
+        #: The latest channel: kept for a one-shot source (carry-over) and across epochs.
+        self.channel: Channel | None = None
+        #: Across epochs, the channel already fetching ``epoch`` between iterations.
+        self.ahead: Channel | None = None
         self.exhausted = False  # a one-shot source has ended
+        self.active: weakref.ref[PrefetchIterator[Any]] | None = None
+        self.owner_alive = True
+
+    def active_iteration(self) -> PrefetchIterator[Any] | None:
+        return self.active() if self.active is not None else None
+
+    def discard_ahead(self) -> None:
+        """Stop a producer that runs ahead into the next epoch; what it fetched is dropped."""
+        if self.ahead is not None:
+            self.ahead.stop.set()
+            self.ahead = None
+
+    @staticmethod
+    def owner_gone(lineage: _Lineage) -> None:
+        """The Prefetcher was collected: nobody can start another iteration."""
+        lineage.owner_alive = False
+        active = lineage.active_iteration()
+        if active is None or active._state is not _RUNNING:
+            lineage.discard_ahead()
 
 
 _CREATED, _RUNNING, _DONE, _STOPPED = "created", "running", "done", "stopped"
@@ -220,7 +342,7 @@ _CREATED, _RUNNING, _DONE, _STOPPED = "created", "running", "done", "stopped"
 class PrefetchIterator(Iterator[T]):
     """One iteration (an epoch) of a :class:`Prefetcher`; see there for the guarantees.
 
-    States: created (nothing fetched) -> running -> done (the source ended or raised; ``next``
+    States: created (nothing fetched) -> running -> done (the epoch ended or raised; ``next``
     raises ``StopIteration`` from then on) or stopped (closed, replaced or interrupted; ``next``
     raises :class:`~nostall.PrefetcherClosedError` saying why).
     """
@@ -236,7 +358,7 @@ class PrefetchIterator(Iterator[T]):
         self._state = _CREATED
         self._stopped_why = ""
         self._channel: Channel | None = None
-        self._index = 0  # batches handed out so far
+        self._index = 0  # batches of this epoch handed out so far
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
@@ -254,18 +376,28 @@ class PrefetchIterator(Iterator[T]):
             else:
                 raise StopIteration
         try:
-            kind, payload = channel.get(self._index, self._timeout)
+            kind, payload, epoch, state = channel.get(self._index, self._timeout)
         except KeyboardInterrupt:
             self._stop("interrupted by KeyboardInterrupt")
             raise
+        lineage = self._lineage
         if kind is BATCH:
             self._index += 1
+            lineage.position = (epoch, self._index, state)
+            lineage.loaded = None
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
         self._channel = None
         self._state = _DONE
         if kind is END:
-            if self._lineage.one_shot:
-                self._lineage.exhausted = True
+            lineage.position = (epoch + 1, 0, state)
+            lineage.loaded = None
+            lineage.epoch = epoch + 1
+            if lineage.one_shot:
+                lineage.exhausted = True
+            if lineage.epochs.across_epochs and not channel.finished:
+                lineage.ahead = channel  # it is already fetching the next epoch
+                if not lineage.owner_alive:
+                    lineage.discard_ahead()
             raise StopIteration
         raise payload
 
@@ -275,10 +407,17 @@ class PrefetchIterator(Iterator[T]):
 
     def _start(self) -> Channel:
         lineage = self._lineage
+        ahead, lineage.ahead = lineage.ahead, None
+        if ahead is not None and not ahead.stop.is_set():
+            self._state, self._channel, self._index = _RUNNING, ahead, 0
+            return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
-        channel = Channel(self._depth, _describe(self._source), None, self._staging)
+        epochs = lineage.epochs
+        channel = Channel(
+            self._depth, _describe(self._source), None, self._staging, epochs, epoch=lineage.epoch
+        )
         self._state = _RUNNING
         self._channel = channel
         if lineage.one_shot and self._carry_over(channel):
@@ -292,16 +431,15 @@ class PrefetchIterator(Iterator[T]):
                 stacklevel=3,
             )
             channel.slots.acquire()
-            channel.put(END, 0)
+            channel.put((END, 0, lineage.epoch, None))
             return channel
         try:
-            batches = iter(self._source)
+            channel.batches, channel.pulled = epochs.open(lineage.epoch)
         except BaseException as e:
             self._channel, self._state = None, _DONE
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
-        channel.batches = batches
-        del batches  # the channel owns the source's iterator now; its producer lets it go
+        self._index = channel.pulled  # a resumed epoch starts after the batches already seen
         thread = threading.Thread(
             target=produce,
             args=(channel,),
@@ -339,10 +477,10 @@ class PrefetchIterator(Iterator[T]):
         self._lineage.channel = None
         if previous is None:
             return False
-        for kind, payload in previous.drain():
+        for message in previous.drain():
             channel.slots.acquire()  # never blocks: the old channel held at most depth
-            channel.put(kind, payload)
-            if kind is not BATCH:
+            channel.put(message)
+            if message[0] is not BATCH:
                 return True
         return False
 
@@ -365,6 +503,12 @@ class PrefetchIterator(Iterator[T]):
 
 def _describe(source: object) -> str:
     return type(source).__qualname__
+
+
+def _restarts_workers(source: object) -> bool:
+    return (
+        isinstance(source, DataLoader) and source.num_workers > 0 and not source.persistent_workers
+    )
 
 
 def _check_iterable(source: object) -> None:

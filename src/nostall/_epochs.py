@@ -1,0 +1,262 @@
+"""Opening a source's epochs: ``set_epoch``, the random state an order is drawn from, resuming.
+
+A source's epoch order is fixed when its iterator is created (and, for a ``RandomSampler``
+without a generator, at its first batch). To resume mid-epoch on a fresh, identically built
+source, nostall either asks the source for its own state (``state_dict`` /
+``load_state_dict``, as torchdata's ``StatefulDataLoader`` has) or records what the order was
+drawn from (the random generators' states and the sampler's epoch) and draws it again, then
+skips the batches already handed out: through the sampler without loading them where the source
+is a map-style ``DataLoader``, else by pulling and dropping them.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+#: Version of the state format written by ``Prefetcher.state_dict``.
+STATE_VERSION = 1
+
+
+def set_epoch_targets(source: object) -> list[object]:
+    """Where ``set_epoch`` may live, in the order it is looked for."""
+    batch_sampler = getattr(source, "batch_sampler", None)
+    return [
+        source,
+        getattr(source, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        getattr(source, "dataset", None),
+    ]
+
+
+def forward_set_epoch(source: object, epoch: int) -> bool:
+    """Call ``set_epoch(epoch)`` on the first of :func:`set_epoch_targets` that has it."""
+    for target in set_epoch_targets(source):
+        method = getattr(target, "set_epoch", None)
+        if callable(method):
+            method(epoch)
+            return True
+    return False
+
+
+def _samplers(source: object) -> dict[str, object]:
+    batch_sampler = getattr(source, "batch_sampler", None)
+    found = {
+        "sampler": getattr(source, "sampler", None),
+        "batch_sampler": batch_sampler,
+        "batch_sampler.sampler": getattr(batch_sampler, "sampler", None),
+    }
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _generators(source: object) -> dict[str, torch.Generator]:
+    """Every ``torch.Generator`` an epoch's order may be drawn from, by where it was found."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    candidates = {"loader": source, **_samplers(source)}
+    for name, owner in candidates.items():
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[name] = generator
+    return found
+
+
+def capture_rng(source: object) -> dict[str, torch.Tensor]:
+    """The states of the global CPU generator and of the source's own generators."""
+    states = {"torch": torch.get_rng_state()}
+    states.update({name: g.get_state() for name, g in _generators(source).items()})
+    return states
+
+
+def _sampler_epoch(source: object) -> int | None:
+    for sampler in _samplers(source).values():
+        epoch = getattr(sampler, "epoch", None)
+        if isinstance(epoch, int):
+            return epoch
+    return None
+
+
+def describe_order(source: object) -> dict[str, Any]:
+    """What a saved state must match: the source's length and its samplers' types."""
+    try:
+        length: int | None = len(source)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    return {
+        "length": length,
+        "samplers": {k: type(v).__qualname__ for k, v in _samplers(source).items()},
+    }
+
+
+class _SkipFirst:
+    """A sampler that draws its whole order at once, then drops the first ``count`` items.
+
+    Drawing at ``iter()`` time (not lazily at the first item) fixes the order while the random
+    state restored for it is in place.
+    """
+
+    def __init__(self, sampler: Iterable[Any], count: int) -> None:
+        self.sampler, self.count = sampler, count
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.sampler)
+        first = list(itertools.islice(it, 1))  # makes a lazy sampler draw its order now
+        return itertools.islice(itertools.chain(first, it), self.count, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
+
+
+def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
+    """An iterator over ``source`` positioned after its first ``count`` batches.
+
+    A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
+    so that the user's loader is untouched; anything else is pulled and dropped.
+    """
+    if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
+        clone = copy.copy(source)
+        clone._iterator = None  # a persistent loader's live iterator stays with the original
+        if source.batch_sampler is not None:
+            object.__setattr__(clone, "batch_sampler", _SkipFirst(source.batch_sampler, count))
+        else:
+            object.__setattr__(clone, "sampler", _SkipFirst(source.sampler, count))
+        return iter(clone)
+    it = iter(source)
+    for _ in itertools.islice(it, count):
+        pass
+    return it
+
+
+class EpochSource:
+    """Opens epochs of one source for one Prefetcher, in whichever thread pulls next.
+
+    Invariants:
+        * With ``across_epochs``, ``set_epoch(e)`` reaches the source before epoch e's iterator
+          is created, so its order is the one ``set_epoch(e)`` gives in a plain loop.
+        * A loaded state (``resume``) is used by the first epoch opened with its number, then
+          dropped.
+        * ``captures[e]`` holds what epoch e's order was drawn from, once e is open.
+    """
+
+    def __init__(self, source: Iterable[Any], across_epochs: bool) -> None:
+        self.source = source
+        self.across_epochs = across_epochs
+        self.stateful = callable(getattr(source, "state_dict", None)) and callable(
+            getattr(source, "load_state_dict", None)
+        )
+        self.resume: dict[str, Any] | None = None
+        self.captures: dict[int, dict[str, Any]] = {}
+
+    def open(self, epoch: int) -> tuple[Iterator[Any], int]:
+        """Create the source's iterator for ``epoch``; return it and the batches it skipped.
+
+        A loaded state for this epoch is resumed: the source restores its own state, or the
+        order is drawn again from the recorded random state and the batches already handed
+        out are skipped.
+        """
+        resume, self.resume = self.resume, None
+        if resume is not None and resume["epoch"] != epoch:
+            resume = None
+        if self.across_epochs:
+            forward_set_epoch(self.source, epoch)
+        skipped = 0 if resume is None else resume["batches_yielded"]
+        if self.stateful:
+            if resume is not None and resume["source_state"] is not None:
+                self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
+            return iter(self.source), skipped
+        if resume is None:
+            self.captures = {epoch: self._capture()}  # older epochs are no longer needed
+            return iter(self.source), 0
+        replay = resume["replay"]
+        if replay["sampler_epoch"] is not None:
+            forward_set_epoch(self.source, replay["sampler_epoch"])
+        user_rng = torch.get_rng_state()
+        try:
+            self._restore(replay["rng"])
+            self.captures = {epoch: self._capture()}
+            return skip_ahead(self.source, skipped), skipped
+        finally:
+            # The order is drawn; the global generator goes back to what the user set, since
+            # their own checkpoint restores it for the model.
+            torch.set_rng_state(user_rng)
+
+    def batch_state(self, epoch: int) -> Any:
+        """What a state saved right after this batch needs (called where the batch was pulled)."""
+        if self.stateful:
+            return self.source.state_dict()  # type: ignore[attr-defined]
+        return self.captures.get(epoch)
+
+    def end_state(self) -> Any:
+        """What a state saved at the end of an epoch needs, to draw the next epoch's order."""
+        if self.stateful:
+            return self.source.state_dict()  # type: ignore[attr-defined]
+        return {"rng": capture_rng(self.source), "sampler_epoch": None}
+
+    def _capture(self) -> dict[str, Any]:
+        return {"rng": capture_rng(self.source), "sampler_epoch": _sampler_epoch(self.source)}
+
+    def _restore(self, states: dict[str, torch.Tensor]) -> None:
+        generators = _generators(self.source)
+        for name, state in states.items():
+            if name == "torch":
+                torch.set_rng_state(state)
+            elif name in generators:
+                generators[name].set_state(state)
+
+
+def build_state(
+    epoch: int, yielded: int, source_state: Any, replay: Any, order: dict[str, Any]
+) -> dict[str, Any]:
+    """The dictionary ``Prefetcher.state_dict`` returns."""
+    return {
+        "nostall": STATE_VERSION,
+        "epoch": epoch,
+        "batches_yielded": yielded,
+        "source_state": source_state,
+        "replay": None if replay is None else {**replay, **order},
+    }
+
+
+def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
+    """Validate a loaded state against the source; return it, or raise ``ValueError``."""
+    if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
+        raise ValueError(
+            f"not a nostall Prefetcher state (expected a dict from Prefetcher.state_dict() with "
+            f"'nostall': {STATE_VERSION}; got a {type(state).__name__})"
+        )
+    for key, kind in (("epoch", int), ("batches_yielded", int)):
+        if not isinstance(state.get(key), kind) or state[key] < 0:
+            raise ValueError(f"state[{key!r}] must be an int >= 0 (got {state.get(key)!r})")
+    if epochs.stateful:
+        if state.get("source_state") is None and state["batches_yielded"] > 0:
+            raise ValueError(
+                "this state was saved from a source without state_dict(), but the source here "
+                "has one; build the same kind of loader as when the state was saved"
+            )
+        return state
+    replay = state.get("replay")
+    if not isinstance(replay, dict):
+        raise ValueError(
+            "this state holds a source's own state_dict(), but the source here has none; build "
+            "the same kind of loader as when the state was saved (e.g. a StatefulDataLoader)"
+        )
+    here = describe_order(epochs.source)
+    if replay.get("length") != here["length"]:
+        raise ValueError(
+            f"the state was saved for a source of {replay.get('length')} batches, this one has "
+            f"{here['length']}; resume with an identically built loader (same dataset, batch "
+            f"size, drop_last, sampler)"
+        )
+    if replay.get("samplers") != here["samplers"]:
+        raise ValueError(
+            f"the state was saved for samplers {replay.get('samplers')}, this source has "
+            f"{here['samplers']}; resume with an identically built loader"
+        )
+    return state
