@@ -96,19 +96,13 @@ def describe_order(source: object) -> dict[str, Any]:
 
 
 class _SkipFirst:
-    """A sampler that draws its whole order at once, then drops the first ``count`` items.
-
-    Drawing at ``iter()`` time (not lazily at the first item) fixes the order while the random
-    state restored for it is in place.
-    """
+    """A sampler that drops the first ``count`` items of another, drawing exactly as it does."""
 
     def __init__(self, sampler: Iterable[Any], count: int) -> None:
         self.sampler, self.count = sampler, count
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self.sampler)
-        first = list(itertools.islice(it, 1))  # makes a lazy sampler draw its order now
-        return itertools.islice(itertools.chain(first, it), self.count, None)
+        return itertools.islice(iter(self.sampler), self.count, None)
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
@@ -118,9 +112,15 @@ def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
     A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
-    so that the user's loader is untouched; anything else is pulled and dropped.
+    so that the user's loader is untouched; anything else is pulled and dropped. (A loader with
+    persistent workers keeps one iterator, and its draws, across epochs: a copy would make its
+    next epoch draw differently, so it is pulled too.)
     """
-    if isinstance(source, DataLoader) and not isinstance(source.dataset, IterableDataset):
+    if (
+        isinstance(source, DataLoader)
+        and not isinstance(source.dataset, IterableDataset)
+        and not _persistent(source)
+    ):
         clone = copy.copy(source)
         clone._iterator = None  # a persistent loader's live iterator stays with the original
         if source.batch_sampler is not None:
@@ -132,6 +132,10 @@ def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
     for _ in itertools.islice(it, count):
         pass
     return it
+
+
+def _persistent(source: object) -> bool:
+    return isinstance(source, DataLoader) and source.num_workers > 0 and source.persistent_workers
 
 
 class EpochSource:
@@ -177,15 +181,36 @@ class EpochSource:
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
             forward_set_epoch(self.source, replay["sampler_epoch"])
+        return self._replay(epoch, replay, skipped), skipped
+
+    def _replay(self, epoch: int, replay: dict[str, Any], skipped: int) -> Iterator[Any]:
+        """Draw the epoch's order again from ``rng`` and skip the first ``skipped`` batches."""
+        rng = replay["rng"]
         user_rng = torch.get_rng_state()
+        self._restore(rng)
+        self.captures = {epoch: {**self._capture(), "fresh_iterator": replay["fresh_iterator"]}}
         try:
-            self._restore(replay["rng"])
-            self.captures = {epoch: self._capture()}
-            return skip_ahead(self.source, skipped), skipped
+            if _persistent(self.source) and not replay["fresh_iterator"]:
+                # A fresh persistent loader's first iter() also draws its workers' base seed,
+                # which the uninterrupted run drew in an earlier epoch: create it, then draw
+                # the order again from the restored state by resetting it with a second iter().
+                iter(self.source)
+                self._restore(rng)
+                it = iter(self.source)
+                for _ in itertools.islice(it, skipped):
+                    pass
+            else:
+                it = skip_ahead(self.source, skipped)
+            # Pull the first batch now: a sampler may draw its order lazily at its first item,
+            # and that draw must see the restored state too.
+            first = list(itertools.islice(it, 1))
+            return itertools.chain(first, it)
         finally:
-            # The order is drawn; the global generator goes back to what the user set, since
-            # their own checkpoint restores it for the model.
-            torch.set_rng_state(user_rng)
+            if skipped:
+                # The draws for this epoch happened before the state was saved, so the global
+                # generator goes back to what the user's own checkpoint restored. At an epoch's
+                # start they happen after it, and the generator stays where they leave it.
+                torch.set_rng_state(user_rng)
 
     def batch_state(self, epoch: int) -> Any:
         """What a state saved right after this batch needs (called where the batch was pulled)."""
@@ -197,10 +222,23 @@ class EpochSource:
         """What a state saved at the end of an epoch needs, to draw the next epoch's order."""
         if self.stateful:
             return self.source.state_dict()  # type: ignore[attr-defined]
-        return {"rng": capture_rng(self.source), "sampler_epoch": None}
+        return {"rng": capture_rng(self.source), "sampler_epoch": None, "fresh_iterator": False}
+
+    def start_state(self) -> dict[str, Any]:
+        """What a state saved before an epoch's first batch needs (a replayed source)."""
+        return {
+            "rng": capture_rng(self.source),
+            "sampler_epoch": None,
+            "fresh_iterator": getattr(self.source, "_iterator", None) is None,
+        }
 
     def _capture(self) -> dict[str, Any]:
-        return {"rng": capture_rng(self.source), "sampler_epoch": _sampler_epoch(self.source)}
+        return {
+            "rng": capture_rng(self.source),
+            "sampler_epoch": _sampler_epoch(self.source),
+            # A persistent loader's first iterator also draws its workers' base seed.
+            "fresh_iterator": getattr(self.source, "_iterator", None) is None,
+        }
 
     def _restore(self, states: dict[str, torch.Tensor]) -> None:
         generators = _generators(self.source)

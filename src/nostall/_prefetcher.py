@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from ._channel import BATCH, END, POLL_S, Channel, add_note, join_quietly, produce
 from ._device import DeviceLike, resolve_device
-from ._epochs import EpochSource, build_state, capture_rng, check_state, describe_order
+from ._epochs import EpochSource, build_state, check_state, describe_order
 from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
 from ._transfer import CudaStaging, Staging
@@ -225,12 +225,9 @@ class Prefetcher(Generic[T]):
             return lineage.loaded
         epochs = lineage.epochs
         if lineage.position is None:
+            # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
             epoch, yielded = lineage.epoch, 0
-            saved = (
-                epochs.end_state()
-                if epochs.stateful
-                else {"rng": capture_rng(self._source), "sampler_epoch": None}
-            )
+            saved = None if epochs.stateful else epochs.start_state()
         else:
             epoch, yielded, saved = lineage.position
         if epochs.stateful:

@@ -1,0 +1,501 @@
+"""Epochs without seams (across_epochs), set_epoch, and resumable mid-epoch state."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import CountingSource, nostall_threads
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+
+import nostall
+
+Batches = list[list[int]]
+
+
+class Indices(Dataset[int]):
+    """Item i is i; counts every load, so that skipped samples show."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.n = n
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.loads += 1
+        return i
+
+
+class Stream(IterableDataset[int]):
+    """An iterable-style dataset of 0..n-1."""
+
+    def __init__(self, n: int = 20) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+def distributed_loader(workers: int = 0, **kwargs: Any) -> DataLoader[int]:
+    sampler = DistributedSampler(Indices(), num_replicas=2, rank=1, shuffle=True, seed=5)
+    return DataLoader(sampler.dataset, batch_size=3, sampler=sampler, num_workers=workers, **kwargs)
+
+
+def seeded_loader(workers: int = 0, **kwargs: Any) -> DataLoader[int]:
+    return DataLoader(
+        Indices(),
+        batch_size=3,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(11),
+        **kwargs,
+    )
+
+
+def plain_loader(workers: int = 0, **kwargs: Any) -> DataLoader[int]:
+    return DataLoader(Indices(), batch_size=3, num_workers=workers, **kwargs)
+
+
+def epoch_lists(batches: Any) -> list[int]:
+    return [int(x) for batch in batches for x in batch]
+
+
+def reference_orders(make: Callable[[], DataLoader[int]], epochs: int) -> list[list[int]]:
+    """The plain loop: sampler.set_epoch(e) each epoch, no nostall."""
+    loader = make()
+    out = []
+    for e in range(epochs):
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(e)
+        out.append(epoch_lists(loader))
+    return out
+
+
+class _RepeatSampler(Sampler[Any]):
+    """The seed documents' trick: a batch sampler that never ends."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            yield from iter(self.sampler)
+
+
+class MultiEpochsDataLoader(DataLoader[Any]):
+    """The seed documents' MultiEpochsDataLoader, written here as a test fixture.
+
+    One iterator for the whole run, so worker processes are never restarted; each epoch takes
+    ``len(self)`` batches from it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "batch_sampler", _RepeatSampler(self.batch_sampler))
+        self.iterator = super().__iter__()
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler.sampler)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(len(self)):
+            yield next(self.iterator)
+
+
+def repeat_sampler_orders(epochs: int) -> list[list[int]]:
+    """What the seed pattern delivers with workers, set_epoch(e) called before each epoch."""
+    sampler = DistributedSampler(Indices(), num_replicas=2, rank=1, shuffle=True, seed=5)
+    loader = MultiEpochsDataLoader(sampler.dataset, batch_size=3, sampler=sampler, num_workers=2)
+    out = []
+    for e in range(epochs):
+        sampler.set_epoch(e)  # too late: the endless iterator drew this epoch's order already
+        out.append(epoch_lists(loader))
+    return out
+
+
+# -- the seed defect, proven and fixed -----------------------------------------------------------
+
+
+def test_repeat_sampler_pattern_repeats_the_first_order() -> None:
+    """The seed's _RepeatSampler ignores set_epoch: every epoch has epoch 0's order."""
+    reference = reference_orders(distributed_loader, 3)
+    assert reference[0] != reference[1]  # set_epoch does change the order in a plain loop
+    seed = repeat_sampler_orders(3)
+    assert reference[0] == seed[0]
+    assert reference[0] == seed[1]  # epoch 1 repeats epoch 0's order
+    assert reference[1] != seed[1]
+
+
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_distributed_sampler_order_per_epoch(across: bool, workers: int) -> None:
+    """Each epoch through nostall equals the plain loop with set_epoch(e)."""
+    reference = reference_orders(
+        lambda: distributed_loader(workers, persistent_workers=bool(workers)), 3
+    )
+    p = nostall.prefetch(
+        distributed_loader(workers, persistent_workers=bool(workers)), "cpu", across_epochs=across
+    )
+    for e in range(3):
+        p.set_epoch(e)
+        assert reference[e] == epoch_lists(p)
+    p.close()
+
+
+def test_across_epochs_advances_set_epoch_by_itself() -> None:
+    """Without set_epoch calls, across_epochs still gives each epoch its own order."""
+    reference = reference_orders(distributed_loader, 3)
+    p = nostall.prefetch(distributed_loader(), "cpu", across_epochs=True)
+    assert reference == [epoch_lists(p) for _ in range(3)]
+    assert 3 == p.epoch
+    p.close()
+
+
+# -- across_epochs: the pipeline stays full --------------------------------------------------------
+
+
+def test_next_epoch_is_fetched_before_the_consumer_asks() -> None:
+    """When epoch 0 ends, epoch 1's first batches are pulled without waiting for iter()."""
+    source = CountingSource(5)
+    p = nostall.prefetch(source, "cpu", depth=3, across_epochs=True)
+    assert list(range(5)) == [int(t) for t in p]
+    time.sleep(0.3)
+    assert 2 == source.iters  # epoch 1 already started
+    assert 5 + 3 == source.pulled  # its first batches, no more than depth
+    assert list(range(5)) == [int(t) for t in p]
+    p.close()
+
+
+def test_each_iter_yields_exactly_one_epoch() -> None:
+    """across_epochs never lets one iteration run into the next epoch."""
+    p = nostall.prefetch(plain_loader(), "cpu", across_epochs=True)
+    for _ in range(3):
+        assert list(range(48)) == epoch_lists(p)
+    p.close()
+
+
+def test_set_epoch_matching_the_epoch_ahead_is_a_no_op() -> None:
+    """The classic loop calls set_epoch(e) for the epoch already started: nothing is redone."""
+    source = CountingSource(4)
+    p = nostall.prefetch(source, "cpu", across_epochs=True)
+    for e in range(3):
+        p.set_epoch(e)
+        assert list(range(4)) == [int(t) for t in p]
+    assert source.iters in (3, 4)  # one iterator per epoch, plus the one started ahead
+    assert 3 * 4 <= source.pulled <= 3 * 4 + 2
+    p.close()
+
+
+def test_set_epoch_to_another_epoch_discards_what_was_fetched_ahead() -> None:
+    """Jumping to epoch 5 restarts there; the batches fetched for epoch 1 are dropped."""
+    reference = reference_orders(distributed_loader, 6)
+    p = nostall.prefetch(distributed_loader(), "cpu", across_epochs=True)
+    assert reference[0] == epoch_lists(p)
+    p.set_epoch(5)
+    assert reference[5] == epoch_lists(p)
+    assert 6 == p.epoch
+    p.close()
+
+
+def test_breaking_mid_epoch_with_across_epochs_stops_the_producer() -> None:
+    """An abandoned epoch stops its producer; the next iter() starts the next epoch afresh."""
+    p = nostall.prefetch(CountingSource(100), "cpu", across_epochs=True)
+    for _ in p:
+        break
+    time.sleep(0.3)
+    assert not nostall_threads()
+    assert list(range(100)) == [int(t) for t in p]
+    p.close()
+
+
+def test_dropped_prefetcher_stops_the_producer_running_ahead() -> None:
+    """Once nobody can start another epoch, the producer fetching ahead stops."""
+    p = nostall.prefetch(CountingSource(5), "cpu", across_epochs=True)
+    list(p)
+    assert nostall_threads()
+    del p
+    time.sleep(0.3)
+    assert not nostall_threads()
+
+
+def test_for_loop_over_a_temporary_prefetcher_with_across_epochs() -> None:
+    """``for b in prefetch(..., across_epochs=True)`` finishes its epoch and leaves nothing."""
+    assert list(range(6)) == [
+        int(t) for t in nostall.prefetch(CountingSource(6), "cpu", across_epochs=True)
+    ]
+    time.sleep(0.3)
+    assert not nostall_threads()
+
+
+def test_warns_about_workers_restarted_every_epoch() -> None:
+    """A DataLoader with workers but without persistent_workers gets a one-time warning."""
+    with pytest.warns(UserWarning, match="persistent_workers=True"):
+        p = nostall.prefetch(plain_loader(2), "cpu", across_epochs=True)
+    p.close()
+
+
+def test_bad_across_epochs_and_epoch() -> None:
+    """across_epochs is a bool; set_epoch takes an int >= 0."""
+    with pytest.raises(ValueError, match="across_epochs must be True, False"):
+        nostall.prefetch([1], across_epochs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+        nostall.prefetch([1]).set_epoch(-1)
+
+
+# -- resumable state -------------------------------------------------------------------------------
+
+
+def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """Through torch.save and a weights-only torch.load, as a checkpoint would go."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
+
+
+def check_resume(
+    make: Callable[[], Any],
+    *,
+    across: bool,
+    epochs: int = 2,
+    reseed: int | None = None,
+    midpoints: tuple[int | str, ...] = (0, 1, 7, "last", "end"),
+) -> None:
+    """The golden check: save after k batches of epoch e, resume on fresh objects, compare.
+
+    The resumed run must yield exactly the rest of epoch e and then the following epochs of the
+    uninterrupted run. "last" saves after the last batch (before the epoch's end is seen),
+    "end" after the epoch's end. With ``reseed``, the global generator is seeded before each
+    original run and set elsewhere before each resumed one, so only the state can carry it.
+    """
+    if reseed is not None:
+        torch.manual_seed(reseed)
+    p = nostall.prefetch(make(), "cpu", across_epochs=across)
+    full = []
+    for e in range(epochs):
+        p.set_epoch(e)
+        full.append([b.tolist() for b in p])
+    p.close()
+    for e in range(epochs):
+        for k in midpoints:
+            if reseed is not None:
+                torch.manual_seed(reseed)
+            p = nostall.prefetch(make(), "cpu", across_epochs=across, depth=3)
+            for earlier in range(e):
+                p.set_epoch(earlier)
+                list(p)
+            p.set_epoch(e)
+            it = iter(p)
+            count = len(full[e]) if k in ("last", "end") else int(k)
+            for _ in range(count):
+                next(it)
+            if k == "end":
+                assert [] == list(it)
+            state = roundtrip(p.state_dict())
+            checkpoint_rng = torch.get_rng_state()  # a training checkpoint saves it too
+            p.close()
+            assert (e + 1 if k == "end" else e) == state["epoch"]
+            assert (0 if k == "end" else count) == state["batches_yielded"]
+
+            if reseed is not None:
+                torch.manual_seed(reseed + 1000)
+            resumed = nostall.prefetch(make(), "cpu", across_epochs=across)
+            resumed.load_state_dict(state)
+            torch.set_rng_state(checkpoint_rng)  # ... and restores it on resume
+            rest = []
+            for later in range(state["epoch"], epochs):
+                resumed.set_epoch(later)
+                rest.append([b.tolist() for b in resumed])
+            resumed.close()
+            expected = full[e + 1 :] if k == "end" else [full[e][count:], *full[e + 1 :]]
+            assert expected == rest, f"epoch {e}, saved after {k}"
+
+
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "make",
+    [plain_loader, seeded_loader, distributed_loader],
+    ids=["no-shuffle", "seeded-generator", "distributed-sampler"],
+)
+def test_resume_mid_epoch(
+    make: Callable[[int], DataLoader[int]], workers: int, across: bool
+) -> None:
+    """Midpoints 0, 1, 7, the last batch and the end; workers 0 and 2; across on and off."""
+    kwargs = {"persistent_workers": True} if workers and across else {}
+    check_resume(lambda: make(workers, **kwargs), across=across)
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_resume_with_global_random_state(across: bool) -> None:
+    """shuffle=True without a generator: the order is drawn from the global generator."""
+
+    def make() -> DataLoader[int]:
+        return DataLoader(Indices(), batch_size=3, shuffle=True)
+
+    check_resume(make, across=across, epochs=2, midpoints=(0, 4, "end"), reseed=3)
+
+
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_a_stateful_dataloader(workers: int, across: bool) -> None:
+    """A source with its own state_dict (torchdata's StatefulDataLoader) is delegated to.
+
+    The resumed run equals what the StatefulDataLoader's own resume gives, from a state saved
+    after the same batches, though nostall fetched further ahead. (Its own resume draws the
+    following epoch differently from an uninterrupted run; nostall does not hide that.)
+    """
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(
+            Indices(),
+            batch_size=3,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(4),
+            persistent_workers=bool(workers),
+        )
+
+    uninterrupted = make()
+    full = [epoch_lists(uninterrupted), epoch_lists(uninterrupted)]
+    for k in (0, 1, 7):
+        if k == 0:  # nothing to resume: the source is used as built, like the uninterrupted run
+            expected = full
+        else:
+            plain = make()
+            it = iter(plain)
+            for _ in range(k):
+                next(it)
+            own = make()
+            own.load_state_dict(plain.state_dict())
+            expected = [full[0][: 3 * k] + epoch_lists(own), epoch_lists(own)]
+            del it, plain, own
+
+        p = nostall.prefetch(make(), "cpu", depth=4, across_epochs=across)
+        ours = iter(p)
+        for _ in range(k):
+            next(ours)
+        time.sleep(0.1)  # the producer fetches ahead meanwhile
+        state = roundtrip(p.state_dict())
+        p.close()
+        resumed = nostall.prefetch(make(), "cpu", across_epochs=across)
+        resumed.load_state_dict(state)
+        got = [full[0][: 3 * k] + epoch_lists(resumed), epoch_lists(resumed)]
+        assert expected == got, f"after {k} batches"
+        resumed.close()
+
+
+def test_resume_an_iterable_dataset_by_consuming() -> None:
+    """An iterable-style dataset cannot skip through a sampler: its batches are pulled."""
+    check_resume(
+        lambda: DataLoader(Stream(), batch_size=4), across=False, epochs=1, midpoints=(0, 2, "end")
+    )
+
+
+def test_fast_forward_loads_no_skipped_sample() -> None:
+    """Resuming a map-style loader after 5 batches loads only the samples still to come."""
+    source = plain_loader()
+    p = nostall.prefetch(source, "cpu")
+    it = iter(p)
+    for _ in range(5):
+        next(it)
+    state = p.state_dict()
+    p.close()
+    fresh = plain_loader()
+    resumed = nostall.prefetch(fresh, "cpu")
+    resumed.load_state_dict(state)
+    assert list(range(15, 48)) == epoch_lists(resumed)
+    assert 48 - 15 == fresh.dataset.loads  # type: ignore[attr-defined]
+
+
+def test_state_counts_batches_yielded_not_fetched() -> None:
+    """With a deep prefetch queue, the state still says how many batches the user has."""
+    p = nostall.prefetch(plain_loader(), "cpu", depth=5)
+    it = iter(p)
+    next(it)
+    next(it)
+    time.sleep(0.2)  # the producer runs 5 batches ahead meanwhile
+    state = p.state_dict()
+    assert (0, 2) == (state["epoch"], state["batches_yielded"])
+    p.close()
+
+
+def test_state_of_a_fresh_prefetcher_starts_at_its_epoch() -> None:
+    """Before any batch, the state is the start of the current epoch."""
+    p = nostall.prefetch(seeded_loader(), "cpu")
+    p.set_epoch(3)
+    state = p.state_dict()
+    assert (3, 0) == (state["epoch"], state["batches_yielded"])
+
+
+def test_loaded_state_is_returned_until_iterated() -> None:
+    """save -> load -> save gives the same position."""
+    p = nostall.prefetch(plain_loader(), "cpu")
+    it = iter(p)
+    next(it)
+    state = p.state_dict()
+    p.close()
+    q = nostall.prefetch(plain_loader(), "cpu")
+    q.load_state_dict(state)
+    assert 1 == q.state_dict()["batches_yielded"]
+
+
+def test_state_for_another_length_is_refused() -> None:
+    """A state saved for 7 batches does not fit a loader of 4."""
+    state = nostall.prefetch(plain_loader(), "cpu").state_dict()
+    other = nostall.prefetch(DataLoader(Indices(), batch_size=5), "cpu")
+    with pytest.raises(ValueError, match="saved for a source of 16 batches, this one has 10"):
+        other.load_state_dict(state)
+
+
+def test_state_for_another_sampler_is_refused() -> None:
+    """A state saved with a DistributedSampler does not fit a RandomSampler."""
+    state = nostall.prefetch(distributed_loader(), "cpu").state_dict()
+    other = nostall.prefetch(DataLoader(Indices(24), batch_size=3, shuffle=True), "cpu")
+    with pytest.raises(ValueError, match="saved for samplers"):
+        other.load_state_dict(state)
+
+
+def test_state_from_a_stateful_source_needs_one() -> None:
+    """A StatefulDataLoader's state does not fit a plain DataLoader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    p = nostall.prefetch(StatefulDataLoader(Indices(), batch_size=3), "cpu")
+    it = iter(p)
+    next(it)
+    state = p.state_dict()
+    p.close()
+    with pytest.raises(ValueError, match="source here has none"):
+        nostall.prefetch(plain_loader(), "cpu").load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "bad", [None, {}, {"nostall": 99}, {"nostall": 1, "epoch": -1, "batches_yielded": 0}]
+)
+def test_garbage_state_is_refused(bad: Any) -> None:
+    """Anything that is not a nostall state is a clear ValueError."""
+    with pytest.raises(ValueError, match=r"nostall Prefetcher state|must be an int >= 0"):
+        nostall.prefetch(plain_loader(), "cpu").load_state_dict(bad)
+
+
+def test_set_epoch_to_another_epoch_drops_a_loaded_state() -> None:
+    """Loading a state for epoch 1 and then asking for epoch 4 warns and starts epoch 4."""
+    p = nostall.prefetch(plain_loader(), "cpu")
+    p.set_epoch(1)
+    it = iter(p)
+    next(it)
+    state = p.state_dict()
+    p.close()
+    q = nostall.prefetch(plain_loader(), "cpu")
+    q.load_state_dict(state)
+    with pytest.warns(UserWarning, match="the loaded state is dropped"):
+        q.set_epoch(4)
+    assert list(range(48)) == epoch_lists(q)
