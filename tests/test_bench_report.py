@@ -102,3 +102,19 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "bench.png"
     write_plot(result_with(1.02, 0.01), path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_epoch_boundary_ratio_and_target() -> None:
+    """The boundary interval over the steady one; the across_epochs target reads it."""
+    from nostall.bench._report import boundaries
+
+    result = result_with(1.02, 0.01)
+    result.epoch_intervals = {
+        "DataLoader, workers restarted": [[0.9, 0.01, 0.01], [0.05, 0.01, 0.01]],
+        "nostall across_epochs": [[0.9, 0.01, 0.01], [0.012, 0.01, 0.01]],
+    }
+    table = {b.contender: b for b in boundaries(result)}
+    assert math.isclose(5.0, table["DataLoader, workers restarted"].ratio)
+    assert math.isclose(1.2, table["nostall across_epochs"].ratio)
+    checks = {t.name: t for t in targets(result)}
+    assert checks["epoch boundary <= 1.5 x the steady batch interval (across_epochs)"].met

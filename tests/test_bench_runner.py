@@ -16,6 +16,7 @@ TINY = dict(
     handoff_batches=50,
     device="cpu",
     progress=False,
+    epochs=0,
 )
 
 
@@ -88,3 +89,17 @@ def test_bad_config(field: str, value: object) -> None:
     """Bad settings fail before anything runs, naming the setting."""
     with pytest.raises(ValueError, match=field.rstrip("s") if field != "io_share" else "io_share"):
         BenchConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_epoch_boundary_test_measures_every_way() -> None:
+    """--epochs records arrival intervals per epoch for each way of crossing a boundary."""
+    from nostall.bench._report import boundaries
+    from nostall.bench._runner import EPOCH_CONTENDERS
+
+    config = BenchConfig(ratios=(1.0,), contenders=("nostall",), **{**TINY, "epochs": 2})  # type: ignore[arg-type]
+    result = run_bench(config)
+    assert set(EPOCH_CONTENDERS) == set(result.epoch_intervals)
+    for epochs in result.epoch_intervals.values():
+        assert [6, 6] == [len(arrivals) for arrivals in epochs]
+    assert len(boundaries(result)) == len(EPOCH_CONTENDERS)
+    assert "epoch boundaries over 2 epochs" in format_report(result)

@@ -40,6 +40,8 @@ def test_bench_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None
         "--contenders",
         "--handoff-batches",
         "--h2d-mb",
+        "--epochs",
+        "--epochs-ratio",
         "--json",
         "--plot",
         "--no-progress",
@@ -112,6 +114,8 @@ def test_tiny_bench_prints_the_table_and_writes_files(
         "--plot",
         str(tmp_path / "b.png"),
         "--no-progress",
+        "--epochs",
+        "0",
     ]
     assert 0 == main(argv)
     out = capsys.readouterr().out

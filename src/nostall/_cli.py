@@ -158,6 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MB,MB,...",
         help="batch sizes for the host-to-device test on CUDA (default: 8,32,128)",
     )
+    bench.add_argument(
+        "--epochs",
+        type=_number(int, 0, strict=False),
+        default=defaults.epochs,
+        help="epochs in the epoch-boundary test, 0 to skip it (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--epochs-ratio",
+        type=_positive,
+        default=defaults.epochs_ratio,
+        help="load/compute ratio of the epoch-boundary test (default: "
+        "%(default)s: a loader with time to spare, so that what a boundary "
+        "costs is not hidden by, nor mistaken for, a slow loader)",
+    )
     bench.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     bench.add_argument(
         "--plot", metavar="PATH", help="write a PNG chart to PATH (needs matplotlib: nostall[plot])"
@@ -204,6 +218,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             contenders=args.contenders,
             handoff_batches=args.handoff_batches,
             h2d_mb=args.h2d_mb,
+            epochs=args.epochs,
+            epochs_ratio=args.epochs_ratio,
             progress=not args.no_progress,
         )
         result = run_bench(config)

@@ -148,6 +148,44 @@ class LookaheadPrefetcher:
             yield current
 
 
+class ForeverSeedPrefetcher:
+    """The seed design as written there: one thread loops over the loader forever.
+
+    Epochs are cut from the endless stream by the loader's length, so the next epoch starts at
+    once (and before ``set_epoch`` can reach the sampler: the seed's defect). ``close()`` stops
+    the thread; this exists to measure epoch boundaries.
+    """
+
+    def __init__(self, source: Any, device: torch.device) -> None:
+        self.source, self.device = source, device
+        self.items: queue.Queue[Any] = queue.Queue(2)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-seed-forever", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            for batch in self.source:
+                moved = to_device(batch, self.device)
+                while not self.stopped.is_set():
+                    try:
+                        self.items.put(moved, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stopped.is_set():
+                    return
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(len(self.source)):
+            yield self.items.get()
+
+    def close(self) -> None:
+        """Stop the endless thread."""
+        self.stopped.set()
+        self.thread.join(5)
+
+
 def _seed(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
     return SeedPrefetcher(sources.serial, device)
 

@@ -77,6 +77,31 @@ def handoff_table(result: BenchResult) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class Boundary:
+    """How one way crosses epoch boundaries: intervals between batch arrivals, in seconds."""
+
+    contender: str
+    steady_s: float  # median interval within epochs
+    boundary_s: float  # median interval from an epoch's last batch to the next one's first
+
+    @property
+    def ratio(self) -> float:
+        """Boundary interval over the steady one: 1.0 is a seamless boundary."""
+        return self.boundary_s / self.steady_s if self.steady_s > 0 else float("inf")
+
+
+def boundaries(result: BenchResult) -> list[Boundary]:
+    """Epoch-boundary figures for every contender of the ``--epochs`` test."""
+    out = []
+    for name, epochs in result.epoch_intervals.items():
+        steady = [x for arrivals in epochs for x in arrivals[1:]]
+        crossing = [arrivals[0] for arrivals in epochs[1:] if arrivals]
+        if steady and crossing:
+            out.append(Boundary(name, median(steady), median(crossing)))
+    return out
+
+
+@dataclass(frozen=True)
 class Target:
     """A target from the benchmark's brief, and whether this run met it."""
 
@@ -134,6 +159,15 @@ def targets(result: BenchResult) -> list[Target]:
                 else "peer at 0 us",
             )
         )
+    for b in boundaries(result):
+        if b.contender == "nostall across_epochs":
+            out.append(
+                Target(
+                    "epoch boundary <= 1.5 x the steady batch interval (across_epochs)",
+                    b.ratio <= 1.5,
+                    f"{b.ratio:.2f}x ({b.boundary_s * 1e3:.1f} ms vs {b.steady_s * 1e3:.1f} ms)",
+                )
+            )
     if result.h2d:
         big = [h for h in result.h2d if h["megabytes"] >= 8]
         shares = [h["nostall_pinned_source_gb_s"] / h["raw_pinned_gb_s"] for h in big]
@@ -203,6 +237,19 @@ def format_report(result: BenchResult) -> str:
         ]
         for name, us in sorted(handoff.items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<34}{us:>8.1f} us")
+    crossings = boundaries(result)
+    if crossings:
+        lines += [
+            "",
+            f"epoch boundaries over {cfg.epochs} epochs at ratio {cfg.epochs_ratio:g}: the "
+            f"interval from an epoch's last batch to the next one's first, against the steady one",
+            f"  {'way':<42}{'steady ms':>10}{'boundary ms':>13}{'ratio':>8}",
+        ]
+        for b in crossings:
+            lines.append(
+                f"  {b.contender:<42}{b.steady_s * 1e3:>10.1f}{b.boundary_s * 1e3:>13.1f}"
+                f"{b.ratio:>7.2f}x"
+            )
     if result.h2d:
         lines += [
             "",
@@ -248,6 +295,9 @@ def to_dict(result: BenchResult) -> dict[str, Any]:
         "rows": [dataclasses.asdict(r) for ratio in result.ratios for r in rows(result, ratio)],
         "handoff_us": handoff_table(result),
         "targets": [dataclasses.asdict(t) for t in targets(result)],
+        "epoch_boundaries": [
+            {**dataclasses.asdict(b), "ratio": b.ratio} for b in boundaries(result)
+        ],
     }
     return raw
 

@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,9 +49,19 @@ class BenchConfig:
     contenders: tuple[str, ...] = ()
     handoff_batches: int = 2000
     h2d_mb: tuple[float, ...] = (8.0, 32.0, 128.0)
+    epochs: int = 3
+    epochs_ratio: float = 0.5
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 0:
+            raise ValueError(
+                f"epochs must be 0 (no boundary test) or an int >= 2 (got {self.epochs!r})"
+            )
+        if not self.epochs_ratio > 0:
+            raise ValueError(f"epochs_ratio must be > 0 (got {self.epochs_ratio!r})")
+        if self.epochs == 1:
+            raise ValueError("epochs must be 0 (no boundary test) or an int >= 2 (got 1)")
         for name in ("batches", "batch_size", "image_size", "width", "repeats", "handoff_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -99,6 +110,8 @@ class BenchResult:
     ratios: list[RatioResult] = field(default_factory=list)
     handoff_s: dict[str, list[float]] = field(default_factory=dict)
     h2d: list[dict[str, float]] = field(default_factory=list)
+    #: Per contender: seconds between consecutive batch arrivals, one list per epoch.
+    epoch_intervals: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 class Progress:
@@ -203,6 +216,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
     handoff_contenders = [k for k in contenders if k.prefetcher]
     steps = len(config.ratios) * config.repeats * (len(contenders) + 3) + config.repeats
     steps += len(config.h2d_mb) if device.type == "cuda" else 0
+    steps += len(EPOCH_CONTENDERS) if config.epochs else 0
     progress = Progress(steps, config.progress)
     try:
         model = SmallConvNet(config.width).to(device)
@@ -224,6 +238,10 @@ def run_bench(config: BenchConfig) -> BenchResult:
                 )
             )
         result.handoff_s = _run_handoff(config, device, handoff_contenders, progress)
+        if config.epochs:
+            result.epoch_intervals = _run_epochs(
+                config, compute_s, hash_rate, workers, device, step, progress
+            )
         if device.type == "cuda":
             result.h2d = [_run_h2d(mb, device, progress) for mb in config.h2d_mb]
         return result
@@ -352,4 +370,86 @@ def _run_h2d(megabytes: float, device: torch.device, progress: Progress) -> dict
         "nostall_pageable_source_gb_s": through_nostall([pageable] * copies),
     }
     progress.step(f"host-to-device {megabytes:g} MB")
+    return out
+
+
+#: The ways of crossing epoch boundaries that ``--epochs`` compares.
+EPOCH_CONTENDERS = (
+    "DataLoader, workers restarted",
+    "DataLoader, persistent workers",
+    "seed design (thread loops forever)",
+    "nostall",
+    "nostall across_epochs",
+    "nostall across_epochs, workers restarted",
+)
+
+
+def _run_epochs(
+    config: BenchConfig,
+    compute_s: float,
+    hash_rate: float,
+    workers: int,
+    device: torch.device,
+    step: Callable[[Any], float],
+    progress: Progress,
+) -> dict[str, list[list[float]]]:
+    """Batch arrival intervals over ``config.epochs`` epochs at ``config.epochs_ratio``.
+
+    The interval that crosses an epoch boundary (the last batch of one epoch to the first of
+    the next) shows what each way pays there: worker start-up, an empty pipeline. At a ratio
+    below 1 the loader has time to spare within an epoch, so a seamless boundary can look like
+    any other step; at 1 or above every pause of the loader shows in full.
+    """
+    load_ms = config.epochs_ratio * compute_s * 1e3 / config.batch_size
+    dataset = SyntheticImages(
+        config.batches * config.batch_size,
+        image_size=config.image_size,
+        decode_ms=load_ms * (1 - config.io_share),
+        io_ms=load_ms * config.io_share,
+        hash_bytes_per_ms=hash_rate,
+    )
+    cuda = device.type == "cuda"
+
+    def loader(persistent: bool) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_size=config.batch_size,
+            num_workers=workers,
+            pin_memory=cuda,
+            persistent_workers=persistent,
+        )
+
+    def plain(source: DataLoader[Any]) -> Iterable[Any]:
+        return c._Reiterable(lambda: c._moved(source, device, cuda))
+
+    makers: dict[str, Callable[[], Iterable[Any]]] = {
+        EPOCH_CONTENDERS[0]: lambda: plain(loader(False)),
+        EPOCH_CONTENDERS[1]: lambda: plain(loader(True)),
+        EPOCH_CONTENDERS[2]: lambda: c.ForeverSeedPrefetcher(loader(False), device),
+        EPOCH_CONTENDERS[3]: lambda: prefetch(loader(True), device),
+        EPOCH_CONTENDERS[4]: lambda: prefetch(loader(True), device, across_epochs=True),
+    }
+    with warnings.catch_warnings():  # the warning about restarted workers is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        makers[EPOCH_CONTENDERS[5]] = lambda: prefetch(loader(False), device, across_epochs=True)
+        out: dict[str, list[list[float]]] = {}
+        for name, make in makers.items():
+            loop = make()
+            epochs: list[list[float]] = []
+            last = time.perf_counter()
+            for _ in range(config.epochs):
+                arrivals: list[float] = []
+                for batch in loop:
+                    now = time.perf_counter()
+                    arrivals.append(now - last)
+                    last = now
+                    step(batch)
+                epochs.append(arrivals)
+            close = getattr(loop, "close", None)
+            if callable(close):
+                close()
+            del loop
+            gc.collect()
+            out[name] = epochs
+            progress.step(f"epoch boundaries: {name}")
     return out
