@@ -249,6 +249,20 @@ def run_bench(config: BenchConfig) -> BenchResult:
         torch.set_num_threads(threads_before)
 
 
+def _dataset(
+    config: BenchConfig, ratio: float, compute_s: float, hash_rate: float
+) -> SyntheticImages:
+    """The workload's dataset, its samples costing ``ratio`` times the step, per batch."""
+    load_ms = ratio * compute_s * 1e3 / config.batch_size
+    return SyntheticImages(
+        config.batches * config.batch_size,
+        image_size=config.image_size,
+        decode_ms=load_ms * (1 - config.io_share),
+        io_ms=load_ms * config.io_share,
+        hash_bytes_per_ms=hash_rate,
+    )
+
+
 def _run_ratio(
     config: BenchConfig,
     ratio: float,
@@ -260,14 +274,8 @@ def _run_ratio(
     step: Callable[[Any], float],
     progress: Progress,
 ) -> RatioResult:
-    load_ms = ratio * compute_s * 1e3 / config.batch_size
-    dataset = SyntheticImages(
-        config.batches * config.batch_size,
-        image_size=config.image_size,
-        decode_ms=load_ms * (1 - config.io_share),
-        io_ms=load_ms * config.io_share,
-        hash_bytes_per_ms=hash_rate,
-    )
+    dataset = _dataset(config, ratio, compute_s, hash_rate)
+    load_ms = dataset.decode_ms + dataset.io_ms
     cuda = device.type == "cuda"
     sources = c.Sources(
         serial=DataLoader(dataset, batch_size=config.batch_size),
@@ -400,14 +408,7 @@ def _run_epochs(
     below 1 the loader has time to spare within an epoch, so a seamless boundary can look like
     any other step; at 1 or above every pause of the loader shows in full.
     """
-    load_ms = config.epochs_ratio * compute_s * 1e3 / config.batch_size
-    dataset = SyntheticImages(
-        config.batches * config.batch_size,
-        image_size=config.image_size,
-        decode_ms=load_ms * (1 - config.io_share),
-        io_ms=load_ms * config.io_share,
-        hash_bytes_per_ms=hash_rate,
-    )
+    dataset = _dataset(config, config.epochs_ratio, compute_s, hash_rate)
     cuda = device.type == "cuda"
 
     def loader(persistent: bool) -> DataLoader[Any]:
