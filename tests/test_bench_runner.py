@@ -60,9 +60,9 @@ def test_equal_load_and_compute_take_close_to_half_the_serial_time() -> None:
         ratios=(1.0,),
         io_share=1.0,
         contenders=("serial DataLoader", "nostall"),
-        **{**TINY, "batches": 16, "width": 16, "image_size": 32, "batch_size": 16},
+        **{**TINY, "batches": 16, "width": 16, "image_size": 32, "batch_size": 16, "repeats": 3},
     )  # type: ignore[arg-type]
-    (ratio,) = run_bench(config).ratios
+    (ratio,) = run_bench(config).ratios  # the fastest of 3 alternating runs: noise only adds
     serial = min(ratio.runs["serial DataLoader"].epoch_s)
     ours = min(ratio.runs["nostall"].epoch_s)
     assert ours < 0.75 * serial, f"nostall {ours:.3f} s vs serial {serial:.3f} s"
