@@ -12,6 +12,7 @@ from ._exceptions import (
     ProducerDiedError,
 )
 from ._prefetcher import Prefetcher, PrefetchIterator, prefetch
+from ._profile import StallReport, profile
 from ._transfer import pin_memory, to_device
 
 __version__ = "0.1.0"
@@ -24,8 +25,10 @@ __all__ = [
     "Prefetcher",
     "PrefetcherClosedError",
     "ProducerDiedError",
+    "StallReport",
     "__version__",
     "pin_memory",
     "prefetch",
+    "profile",
     "to_device",
 ]

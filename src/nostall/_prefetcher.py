@@ -15,7 +15,8 @@ from ._channel import BATCH, END, POLL_S, Channel, add_note, join_quietly, produ
 from ._device import DeviceLike, resolve_device
 from ._epochs import EpochSource, build_state, check_state, describe_order
 from ._epochs import forward_set_epoch as _forward_set_epoch
-from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
+from ._exceptions import NostallError, PrefetcherClosedError, PrefetchTimeoutError
+from ._profile import StallRecorder, StallReport
 from ._transfer import CudaStaging, Staging
 
 T = TypeVar("T")
@@ -34,6 +35,7 @@ def prefetch(
     pin_memory: bool | None = None,
     timeout: float | None = None,
     across_epochs: bool = False,
+    profile: bool = False,
 ) -> Prefetcher[T]:
     """Wrap ``source`` so that its next batches are loaded and moved to ``device`` meanwhile.
 
@@ -49,6 +51,7 @@ def prefetch(
         timeout: seconds to wait for one batch before raising ``PrefetchTimeoutError``.
         across_epochs: keep fetching into the next epoch when one ends (calling the source's
             ``set_epoch``), so that no epoch starts with an empty pipeline.
+        profile: record how long each ``next()`` waits; read it with ``report()``.
     """
     return Prefetcher(
         source,
@@ -57,6 +60,7 @@ def prefetch(
         pin_memory=pin_memory,
         timeout=timeout,
         across_epochs=across_epochs,
+        profile=profile,
     )
 
 
@@ -105,11 +109,16 @@ class Prefetcher(Generic[T]):
         pin_memory: bool | None = None,
         timeout: float | None = None,
         across_epochs: bool = False,
+        profile: bool = False,
     ) -> None:
         _check_iterable(source)
         _check_depth(depth)
         _check_timeout(timeout)
-        for name, flag in (("pin_memory", pin_memory), ("across_epochs", across_epochs)):
+        for name, flag in (
+            ("pin_memory", pin_memory),
+            ("across_epochs", across_epochs),
+            ("profile", profile),
+        ):
             if flag is not None and not isinstance(flag, bool):
                 raise ValueError(
                     f"{name} must be True, False{' or None' if name == 'pin_memory' else ''} "
@@ -127,6 +136,7 @@ class Prefetcher(Generic[T]):
             self.pin_memory = False  # pinned memory only speeds up copies to a GPU
             self._staging = Staging(self.device)
         self._lineage = _Lineage(isinstance(source, Iterator), EpochSource(source, across_epochs))
+        self._recorder = StallRecorder(self.device) if profile else None
         self._closed = False
         # Across epochs the producer outlives each iteration; once nobody can start the next
         # one, stop it (the finaliser holds the lineage only, never the prefetcher).
@@ -184,6 +194,18 @@ class Prefetcher(Generic[T]):
         except KeyError:
             raise AttributeError(name) from None
         return getattr(source, name)
+
+    def report(self, all_ranks: bool = False) -> StallReport:
+        """How long the loop waited for batches so far (needs ``profile=True``).
+
+        With ``all_ranks=True`` every rank's figures are gathered through ``torch.distributed``
+        (a collective call: every rank must make it) and the slowest rank is named.
+        """
+        if self._recorder is None:
+            raise NostallError(
+                "report() needs a profiling prefetcher: pass profile=True to nostall.prefetch"
+            )
+        return self._recorder.report(all_ranks)
 
     def set_epoch(self, epoch: int) -> None:
         """Start counting from ``epoch`` and forward ``set_epoch(epoch)`` to the source.
@@ -352,6 +374,7 @@ class PrefetchIterator(Iterator[T]):
         self._depth = owner.depth
         self._timeout = owner.timeout
         self._lineage = owner._lineage
+        self._recorder = owner._recorder
         self._state = _CREATED
         self._stopped_why = ""
         self._channel: Channel | None = None
@@ -361,6 +384,19 @@ class PrefetchIterator(Iterator[T]):
         return self
 
     def __next__(self) -> T:
+        recorder = self._recorder
+        if recorder is None:
+            return self._next()
+        recorder.before_next()
+        try:
+            batch = self._next()
+        except BaseException:
+            recorder.end()
+            raise
+        recorder.after_next(batch)
+        return batch
+
+    def _next(self) -> T:
         channel = self._channel
         if channel is None:
             if self._state is _CREATED:
