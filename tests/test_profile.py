@@ -1,0 +1,208 @@
+"""The stall profiler: accuracy, arithmetic, verdicts, and all-rank reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CountingSource, assert_same_batches
+
+import nostall
+from nostall import NostallError, StallReport
+
+
+def sleepy(n: int, delay: float) -> Iterator[torch.Tensor]:
+    for i in range(n):
+        time.sleep(delay)
+        yield torch.full((4, 2), float(i))
+
+
+def test_batches_are_unchanged() -> None:
+    """The wrapper yields the same batches, in order, every epoch."""
+    source = [torch.tensor([i, i]) for i in range(9)]
+    wrapped = nostall.profile(source, device="cpu")
+    for _ in range(2):
+        assert_same_batches(source, wrapped)
+    assert 18 == wrapped.report().batches
+
+
+def test_wait_matches_an_injected_stall() -> None:
+    """A source that takes 20 ms per batch, consumed without prefetching: 20 ms waits."""
+    wrapped = nostall.profile(sleepy(15, 0.02), device="cpu")
+    for _ in wrapped:
+        time.sleep(0.005)
+    report = wrapped.report()
+    expected = 15 * 0.02
+    assert abs(report.wait_s - expected) <= max(0.05 * expected, 15 * 0.003), report
+    assert 0.02 <= report.wait_p50_s < 0.03
+    assert 60 == report.samples
+    assert "highly input-bound" == report.verdict
+
+
+def test_prefetching_hides_the_stall_and_the_report_shows_it() -> None:
+    """Loading 10 ms, step 25 ms, through prefetch(profile=True): almost no waiting."""
+    p = nostall.prefetch(sleepy(12, 0.01), "cpu", profile=True)
+    for _ in p:
+        time.sleep(0.025)
+    report = p.report()
+    assert 12 == report.batches
+    assert report.stall_fraction < 0.15, report  # the first batch's load is the only wait
+    assert report.wait_max_s >= 0.005  # ... and it is seen
+
+
+def test_report_needs_profile_true() -> None:
+    """A clear error, not an empty report."""
+    with pytest.raises(NostallError, match="pass profile=True"):
+        nostall.prefetch([1]).report()
+
+
+def test_zero_batches_give_a_report_of_zeros() -> None:
+    """An empty source is not an error."""
+    wrapped = nostall.profile([], device="cpu")
+    assert [] == list(wrapped)
+    report = wrapped.report()
+    assert (0, 0.0, 0.0, None) == (
+        report.batches,
+        report.wait_s,
+        report.stall_fraction,
+        report.samples,
+    )
+    assert "not input-bound" == report.verdict
+
+
+@pytest.mark.parametrize(
+    ("wait", "verdict"),
+    [
+        (0.0, "not input-bound"),
+        (0.049, "not input-bound"),
+        (0.05, "moderately input-bound"),
+        (0.199, "moderately input-bound"),
+        (0.2, "highly input-bound"),
+    ],
+)
+def test_verdict_thresholds(wait: float, verdict: str) -> None:
+    """TensorFlow's thresholds: under 5%, 5 to 20%, 20% and more."""
+    report = StallReport(batches=10, wait_s=wait, loop_s=1.0)
+    assert verdict == report.verdict
+    assert wait == report.stall_fraction
+
+
+def test_arithmetic_and_dict() -> None:
+    """stall_fraction and samples/s from the totals; to_dict carries the derived figures."""
+    report = StallReport(batches=4, wait_s=0.5, loop_s=2.0, samples=400)
+    assert 0.25 == report.stall_fraction
+    assert 200.0 == report.samples_per_s
+    figures = report.to_dict()
+    assert "highly input-bound" == figures["verdict"]
+    assert 0.25 == figures["stall_fraction"]
+    assert "waiting for data" in str(report)
+
+
+def test_errors_pass_through_and_close_the_loop() -> None:
+    """An error in the source reaches the caller; the time up to it is counted."""
+
+    def failing() -> Iterator[torch.Tensor]:
+        yield torch.zeros(1)
+        time.sleep(0.02)
+        raise ValueError("broken record")
+
+    wrapped = nostall.profile(failing(), device="cpu")
+    with pytest.raises(ValueError, match="broken record"):
+        list(wrapped)
+    report = wrapped.report()
+    assert 1 == report.batches
+    assert report.loop_s >= 0.02
+
+
+def test_time_between_epochs_is_not_loop_time() -> None:
+    """A pause between two epochs (validation, say) does not count."""
+    wrapped = nostall.profile([torch.zeros(1)] * 3, device="cpu")
+    list(wrapped)
+    time.sleep(0.2)
+    list(wrapped)
+    assert wrapped.report().loop_s < 0.1
+
+
+def test_overhead_per_batch_is_small() -> None:
+    """On an instant source the wrapper adds microseconds per batch (1% of a 2 ms step)."""
+    items = [torch.zeros(1)] * 20_000
+    start = time.perf_counter()
+    for _ in items:
+        pass
+    plain = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in nostall.profile(items, device="cpu"):
+        pass
+    wrapped = time.perf_counter() - start
+    per_batch = (wrapped - plain) / len(items)
+    assert per_batch < 20e-6, f"{per_batch * 1e6:.1f} us per batch"
+
+
+def test_profiling_does_not_change_the_prefetched_stream() -> None:
+    """prefetch(profile=True) yields what prefetch() yields."""
+    source = CountingSource(30)
+    assert list(range(30)) == [int(t) for t in nostall.prefetch(source, profile=True)]
+
+
+def test_all_ranks_without_distributed_is_this_rank() -> None:
+    """Outside torch.distributed, all_ranks reports this process as rank 0."""
+    wrapped = nostall.profile([torch.zeros(2)], device="cpu")
+    list(wrapped)
+    report = wrapped.report(all_ranks=True)
+    assert 0 == report.slowest_rank
+    assert [0] == [r["rank"] for r in report.ranks]
+
+
+def test_torchrun_names_the_rank_with_the_slow_loader(tmp_path: Path) -> None:
+    """Two ranks under torchrun (gloo, CPU): the report names rank 1, given the slow loader."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        textwrap.dedent("""
+        import time
+        import torch
+        import torch.distributed as dist
+        import nostall
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        delay = 0.03 if rank == 1 else 0.0
+
+        def source():
+            for i in range(10):
+                time.sleep(delay)
+                yield torch.zeros(8, 2)
+
+        wrapped = nostall.profile(source(), device="cpu")
+        for batch in wrapped:
+            time.sleep(0.005)
+        report = wrapped.report(all_ranks=True)
+        if rank == 0:
+            print(report)
+            print("slowest rank:", report.slowest_rank)
+        dist.destroy_process_group()
+    """)
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert 0 == done.returncode, done.stderr[-3000:]
+    assert "slowest rank: 1" in done.stdout
+    assert "rank 1" in done.stdout
