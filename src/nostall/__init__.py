@@ -14,6 +14,7 @@ from ._exceptions import (
 from ._prefetcher import Prefetcher, PrefetchIterator, prefetch
 from ._profile import StallReport, profile
 from ._transfer import pin_memory, to_device
+from ._tune import TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -26,9 +27,11 @@ __all__ = [
     "PrefetcherClosedError",
     "ProducerDiedError",
     "StallReport",
+    "TuneResult",
     "__version__",
     "pin_memory",
     "prefetch",
     "profile",
     "to_device",
+    "tune",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 
 from ._epochs import EpochSource
 from ._exceptions import PrefetchTimeoutError, ProducerDiedError
-from ._transfer import Staging
+from ._transfer import Staged, Staging
 
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
@@ -62,8 +62,11 @@ class Channel:
         *,
         epoch: int = 0,
         pulled: int = 0,
+        max_depth: int | None = None,
     ) -> None:
         self.depth = depth
+        #: With ``depth="auto"``: how deep it may grow (None once the memory budget is known).
+        self.auto_limit = max_depth
         self.describe = describe  # the source, for messages
         self.staging = staging
         self.epochs = epochs
@@ -80,6 +83,8 @@ class Channel:
         self.thread: threading.Thread | None = None
         #: What the puller is doing now; read in error messages.
         self.phase = "not started"
+        #: Called once with the first staged batch (``depth="auto"`` sizes its budget there).
+        self.on_first_batch: Callable[[Staged], None] | None = None
 
     # -- either side, holding pull_lock ----------------------------------------------------------
 
@@ -117,6 +122,9 @@ class Channel:
             where = f"raised while moving batch {index} to {self.staging.device}, in {name!r}"
             return self._failed(e, where)
         self.pulled += 1
+        if self.on_first_batch is not None:
+            hook, self.on_first_batch = self.on_first_batch, None
+            hook(staged)
         return self._with_state(BATCH, staged, epoch, lambda: self.epochs.batch_state(epoch))
 
     def _with_state(self, kind: str, payload: Any, epoch: int, state: Callable[[], Any]) -> Message:
@@ -157,6 +165,8 @@ class Channel:
         try:
             message = self.items.get_nowait()
         except queue.Empty:
+            if self.auto_limit is not None:
+                self._grow()
             # A pull here cannot be interrupted by a timeout, so none is done when one is set.
             stolen = self._pull_here() if timeout is None else None
             if stolen is not None:
@@ -164,6 +174,14 @@ class Channel:
             message = self._wait(index, timeout)
         self.slots.release()
         return message
+
+    def _grow(self) -> None:
+        """The queue ran dry: double the depth, up to ``auto_limit`` (tf.data's prefetch rule)."""
+        assert self.auto_limit is not None
+        grown = min(self.depth * 2, self.auto_limit)
+        if grown > self.depth:
+            self.slots.release(grown - self.depth)  # the invariant holds with the new depth
+            self.depth = grown
 
     def _pull_here(self) -> Message | None:
         thread = self.thread

@@ -177,6 +177,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="write a PNG chart to PATH (needs matplotlib: nostall[plot])"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="diagnose your own loader and find a faster way to feed it",
+        description=(
+            "Import FACTORY (MODULE:FUNCTION, a function that builds your DataLoader and accepts "
+            "num_workers, pin_memory, prefetch_factor and persistent_workers overrides where it "
+            "can), optionally your training step (--step MODULE:FUNCTION, called with a batch "
+            "on the device), and measure: the loader alone, the step alone, both together; "
+            "then search loader settings with and without nostall.prefetch within the CPU and "
+            "memory budgets, and say what to change."
+        ),
+    )
+    doctor.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="the function that builds your loader, e.g. train:make_loader",
+    )
+    doctor.add_argument(
+        "--step",
+        metavar="MODULE:FUNC",
+        help="your training step, called as FUNC(batch) on the device",
+    )
+    doctor.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: CUDA when available, else cpu)",
+    )
+    doctor.add_argument(
+        "--budget",
+        type=_count,
+        default=300,
+        help="the most batches the settings search may pull (default: %(default)s)",
+    )
+    doctor.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    doctor.add_argument(
+        "--html", metavar="PATH", help="write a self-contained HTML report with a chart to PATH"
+    )
+    doctor.add_argument("--no-progress", action="store_true", help="no progress lines")
     return parser
 
 
@@ -186,6 +225,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args, parser)
+    if args.command == "doctor":
+        return _doctor(args)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ._doctor import diagnose, load_callable, write_reports
+    from ._exceptions import DeviceUnavailableError
+
+    def say(line: str) -> None:
+        if not args.no_progress:
+            print(line, file=sys.stderr, flush=True)
+
+    try:
+        factory = load_callable(args.factory, "the loader factory")
+        step = load_callable(args.step, "--step") if args.step else None
+        diagnosis = diagnose(
+            factory, step=step, device=args.device, budget=args.budget, progress=say
+        )
+    except (DeviceUnavailableError, ValueError) as e:
+        print(f"nostall doctor: error: {e}", file=sys.stderr)
+        return 2
+    print(diagnosis.summary())
+    write_reports(diagnosis, args.json, args.html)
+    for path in (args.json, args.html):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 

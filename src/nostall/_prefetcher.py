@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
+import torch
 from torch.utils.data import DataLoader
 
 from ._channel import BATCH, END, POLL_S, Channel, add_note, join_quietly, produce
@@ -18,6 +20,7 @@ from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import NostallError, PrefetcherClosedError, PrefetchTimeoutError
 from ._profile import StallRecorder, StallReport
 from ._transfer import CudaStaging, Staging
+from ._tree import iter_tensors
 
 T = TypeVar("T")
 
@@ -31,7 +34,7 @@ def prefetch(
     source: Iterable[T],
     device: DeviceLike = None,
     *,
-    depth: int = 2,
+    depth: int | str = 2,
     pin_memory: bool | None = None,
     timeout: float | None = None,
     across_epochs: bool = False,
@@ -46,7 +49,9 @@ def prefetch(
         source: any iterable of batches, usually a ``torch.utils.data.DataLoader``.
         device: where batches go; ``None`` picks the current CUDA device (``LOCAL_RANK`` under
             ``torchrun``) when CUDA is available, else the CPU.
-        depth: how many batches may be fetched ahead of the consumer (an int >= 1).
+        depth: how many batches may be fetched ahead of the consumer (an int >= 1), or
+            ``"auto"``: start at 1 and double whenever the consumer finds nothing ready, up to
+            what :data:`AUTO_MEMORY_SHARE` of the device's free memory holds.
         pin_memory: pin host tensors before copying them to a GPU (default: on for CUDA).
         timeout: seconds to wait for one batch before raising ``PrefetchTimeoutError``.
         across_epochs: keep fetching into the next epoch when one ends (calling the source's
@@ -105,7 +110,7 @@ class Prefetcher(Generic[T]):
         source: Iterable[T],
         device: DeviceLike = None,
         *,
-        depth: int = 2,
+        depth: int | str = 2,
         pin_memory: bool | None = None,
         timeout: float | None = None,
         across_epochs: bool = False,
@@ -372,6 +377,7 @@ class PrefetchIterator(Iterator[T]):
         self._source = owner._source
         self._staging = owner._staging
         self._depth = owner.depth
+        self._device = owner.device
         self._timeout = owner.timeout
         self._lineage = owner._lineage
         self._recorder = owner._recorder
@@ -434,6 +440,15 @@ class PrefetchIterator(Iterator[T]):
             raise StopIteration
         raise payload
 
+    @property
+    def depth(self) -> int:
+        """Batches this iteration may fetch ahead now (grows with ``depth="auto"``)."""
+        return (
+            self._channel.depth
+            if self._channel is not None
+            else (1 if self._depth == "auto" else int(self._depth))
+        )
+
     def close(self) -> None:
         """Stop this iteration and its producer (without waiting for it); idempotent."""
         self._stop("close() was called on it")
@@ -448,9 +463,19 @@ class PrefetchIterator(Iterator[T]):
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
         epochs = lineage.epochs
+        auto = self._depth == "auto"
         channel = Channel(
-            self._depth, _describe(self._source), None, self._staging, epochs, epoch=lineage.epoch
+            1 if auto else int(self._depth),
+            _describe(self._source),
+            None,
+            self._staging,
+            epochs,
+            epoch=lineage.epoch,
+            max_depth=AUTO_MAX_DEPTH if auto else None,
         )
+        if auto:
+            device = self._device  # not self: the channel must not keep this iteration alive
+            channel.on_first_batch = lambda staged: _limit_auto_depth(channel, staged, device)
         self._state = _RUNNING
         self._channel = channel
         if lineage.one_shot and self._carry_over(channel):
@@ -555,11 +580,44 @@ def _check_iterable(source: object) -> None:
 
 
 def _check_depth(depth: object) -> None:
+    if depth == "auto":
+        return
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(
-            f"depth must be an int >= 1, the number of batches fetched ahead (got {depth!r} "
-            f"that is a {type(depth).__name__}); 2 is a good start"
+            f'depth must be an int >= 1, the number of batches fetched ahead, or "auto" '
+            f"(got {depth!r} that is a {type(depth).__name__}); 2 is a good start"
         )
+
+
+#: ``depth="auto"`` never grows beyond this many batches.
+AUTO_MAX_DEPTH = 64
+#: ... nor beyond what this share of the device's free memory holds.
+AUTO_MEMORY_SHARE = 0.1
+
+
+def _limit_auto_depth(channel: Channel, staged: Any, device: torch.device) -> None:
+    """Bound an auto depth by the memory budget, once the first batch shows its size."""
+    nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(staged.batch))
+    if nbytes <= 0:
+        return
+    budget = AUTO_MEMORY_SHARE * _free_memory(device)
+    channel.auto_limit = max(
+        1, min(AUTO_MAX_DEPTH, int(budget // nbytes), channel.auto_limit or AUTO_MAX_DEPTH)
+    )
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _check_timeout(timeout: object) -> None:

@@ -1,0 +1,229 @@
+"""Choosing ``num_workers`` and prefetch depth by measuring, in the spirit of tf.data's AUTOTUNE.
+
+The user gives a *factory*: a function that builds their ``DataLoader`` and accepts (some of)
+``num_workers``, ``pin_memory``, ``prefetch_factor`` and ``persistent_workers`` as keyword
+arguments. Each trial builds a loader with one setting, skips its start-up batches and times a
+few more; the search climbs while a step up gains enough, within the CPU budget (cores) and the
+memory budget (half of the free memory for batches fetched ahead).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ._device import DeviceLike, resolve_device
+from ._prefetcher import _free_memory, prefetch
+from ._timing import synchronize
+from ._transfer import to_device
+from ._tree import iter_tensors
+
+Factory = Callable[..., Iterable[Any]]
+Step = Callable[[Any], Any]
+
+LOADER_KNOBS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to build and feed the loader."""
+
+    num_workers: int | None  # None: the factory's own choice (it takes no num_workers)
+    depth: int | None  # None: no nostall.prefetch, batches moved in the loop
+
+    def describe(self) -> str:
+        """Plain words, as the doctor prints them."""
+        workers = (
+            "the factory's num_workers"
+            if self.num_workers is None
+            else (f"num_workers={self.num_workers}")
+        )
+        feed = "no prefetcher" if self.depth is None else f"nostall.prefetch depth={self.depth}"
+        return f"{workers}, {feed}"
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` chose, and every trial it measured (samples/s, in order)."""
+
+    best: Setting
+    samples_per_s: float
+    curve: list[tuple[Setting, float]] = field(default_factory=list)
+    batches_spent: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """For JSON."""
+        return {
+            "best": asdict(self.best),
+            "samples_per_s": self.samples_per_s,
+            "batches_spent": self.batches_spent,
+            "curve": [{**asdict(s), "samples_per_s": r} for s, r in self.curve],
+        }
+
+
+def accepted_knobs(factory: Factory) -> set[str]:
+    """Which loader settings ``factory`` takes as keyword arguments."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return set(LOADER_KNOBS)
+    names = {p.name for p in parameters}
+    return {knob for knob in LOADER_KNOBS if knob in names}
+
+
+def build(factory: Factory, setting: Setting, device: torch.device) -> Iterable[Any]:
+    """The loader for ``setting``, passing only the settings ``factory`` accepts."""
+    knobs = accepted_knobs(factory)
+    kwargs: dict[str, Any] = {}
+    if setting.num_workers is not None and "num_workers" in knobs:
+        kwargs["num_workers"] = setting.num_workers
+        if "persistent_workers" in knobs:
+            kwargs["persistent_workers"] = setting.num_workers > 0
+        if "prefetch_factor" in knobs and setting.num_workers > 0:
+            kwargs["prefetch_factor"] = 2
+    if "pin_memory" in knobs:
+        kwargs["pin_memory"] = device.type == "cuda"
+    return factory(**kwargs)
+
+
+def measure(
+    factory: Factory,
+    setting: Setting,
+    device: torch.device,
+    *,
+    batches: int,
+    warmup: int = 2,
+    step: Step | None = None,
+) -> tuple[float, int]:
+    """Samples/s of the loop with ``setting`` (the step included when given), and batches used.
+
+    The first ``warmup`` batches (worker start-up) are pulled but not timed.
+    """
+    loader = build(factory, setting, device)
+    feed: Iterable[Any] = (
+        prefetch(loader, device, depth=setting.depth)
+        if setting.depth is not None
+        else (to_device(b, device, non_blocking=device.type == "cuda") for b in loader)
+    )
+    it = iter(feed)
+    used = 0
+    samples = 0
+    start = 0.0
+    try:
+        for batch in it:
+            if step is not None:
+                step(batch)
+            used += 1
+            if used == warmup:
+                synchronize(device)
+                start = time.perf_counter()
+            elif used > warmup:
+                samples += _samples(batch)
+            if used >= warmup + batches:
+                break
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    finally:
+        close = getattr(feed, "close", None)
+        if callable(close):
+            close()
+    if used <= warmup or elapsed <= 0:
+        return 0.0, used
+    return samples / elapsed, used
+
+
+def tune(
+    factory: Factory,
+    *,
+    budget: int = 300,
+    device: DeviceLike = None,
+    step: Step | None = None,
+    max_workers: int | None = None,
+    threshold: float = 0.05,
+    batches_per_trial: int = 12,
+) -> TuneResult:
+    """Hill-climb ``num_workers`` and prefetch depth; return the best setting and the curve.
+
+    Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count),
+    then the depth goes 1, 2, 4, ... up to what half of the free memory holds, each while a step
+    gains at least ``threshold`` (5%). No trial starts once ``budget`` batches are spent.
+
+    Args:
+        factory: builds the loader; see the module docstring.
+        budget: the most batches all trials together may pull.
+        device: where batches go (default: CUDA when available).
+        step: the training step, when the loop's rate should include it.
+        max_workers: the CPU budget.
+        threshold: the smallest relative gain worth another step.
+        batches_per_trial: batches timed per trial (after two start-up batches).
+    """
+    dev = resolve_device(device)
+    knobs = accepted_knobs(factory)
+    cores = max_workers if max_workers is not None else (os.cpu_count() or 1)
+    curve: list[tuple[Setting, float]] = []
+    spent = 0
+
+    def trial(setting: Setting) -> float:
+        nonlocal spent
+        rate, used = measure(factory, setting, dev, batches=batches_per_trial, step=step)
+        spent += used
+        curve.append((setting, rate))
+        return rate
+
+    def affordable() -> bool:
+        return spent + batches_per_trial + 2 <= budget
+
+    # With nostall, num_workers=0 already loads in a background thread, as one worker would: the
+    # climb goes 0, 2, 4, ... so that a flat first step does not end it early.
+    workers_choices: list[int | None] = [0, *[2**i for i in range(1, 8) if 2**i <= cores]]
+    if "num_workers" not in knobs:
+        workers_choices = [None]
+    best = Setting(workers_choices[0], 2)
+    best_rate = trial(best)
+    for workers in workers_choices[1:]:
+        if not affordable():
+            break
+        candidate = Setting(workers, 2)
+        rate = trial(candidate)
+        if rate < best_rate * (1 + threshold):
+            if rate > best_rate:
+                best, best_rate = candidate, rate
+            break
+        best, best_rate = candidate, rate
+    depth_limit = _depth_limit(factory, best, dev)
+    spent += 1  # the batch that showed the size
+    depth = 4
+    while depth <= depth_limit and affordable():
+        candidate = Setting(best.num_workers, depth)
+        rate = trial(candidate)
+        if rate < best_rate * (1 + threshold):
+            if rate > best_rate:
+                best, best_rate = candidate, rate
+            break
+        best, best_rate = candidate, rate
+        depth *= 2
+    return TuneResult(best, best_rate, curve, spent)
+
+
+def _samples(batch: Any) -> int:
+    for tensor in iter_tensors(batch):
+        return int(tensor.shape[0]) if tensor.dim() > 0 else 1
+    return 1
+
+
+def _depth_limit(factory: Factory, setting: Setting, device: torch.device) -> int:
+    """How many batches half of the free memory holds (at most 32)."""
+    loader = build(factory, Setting(setting.num_workers, None), device)
+    first = next(iter(loader), None)
+    nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(first))
+    if nbytes <= 0:
+        return 32
+    return max(1, min(32, int(0.5 * _free_memory(device) // nbytes)))
