@@ -381,6 +381,7 @@ class PrefetchIterator(Iterator[T]):
         self._timeout = owner.timeout
         self._lineage = owner._lineage
         self._recorder = owner._recorder
+        self._last_depth = 1 if owner.depth == "auto" else int(owner.depth)
         self._state = _CREATED
         self._stopped_why = ""
         self._channel: Channel | None = None
@@ -425,6 +426,7 @@ class PrefetchIterator(Iterator[T]):
             lineage.position = (epoch, self._index, state)
             lineage.loaded = None
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
+        self._last_depth = channel.depth
         self._channel = None
         self._state = _DONE
         if kind is END:
@@ -442,12 +444,10 @@ class PrefetchIterator(Iterator[T]):
 
     @property
     def depth(self) -> int:
-        """Batches this iteration may fetch ahead now (grows with ``depth="auto"``)."""
-        return (
-            self._channel.depth
-            if self._channel is not None
-            else (1 if self._depth == "auto" else int(self._depth))
-        )
+        """Batches this iteration may fetch ahead (grows with ``depth="auto"``; kept at the end)."""
+        if self._channel is not None:
+            self._last_depth = self._channel.depth
+        return self._last_depth
 
     def close(self) -> None:
         """Stop this iteration and its producer (without waiting for it); idempotent."""
@@ -471,7 +471,7 @@ class PrefetchIterator(Iterator[T]):
             self._staging,
             epochs,
             epoch=lineage.epoch,
-            max_depth=AUTO_MAX_DEPTH if auto else None,
+            max_depth=1 if auto else None,  # grows once the first batch shows its size
         )
         if auto:
             device = self._device  # not self: the channel must not keep this iteration alive
@@ -598,12 +598,11 @@ AUTO_MEMORY_SHARE = 0.1
 def _limit_auto_depth(channel: Channel, staged: Any, device: torch.device) -> None:
     """Bound an auto depth by the memory budget, once the first batch shows its size."""
     nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(staged.batch))
-    if nbytes <= 0:
+    if nbytes <= 0:  # nothing to weigh: the cap alone bounds it
+        channel.auto_limit = AUTO_MAX_DEPTH
         return
     budget = AUTO_MEMORY_SHARE * _free_memory(device)
-    channel.auto_limit = max(
-        1, min(AUTO_MAX_DEPTH, int(budget // nbytes), channel.auto_limit or AUTO_MAX_DEPTH)
-    )
+    channel.auto_limit = max(1, min(AUTO_MAX_DEPTH, int(budget // nbytes)))
 
 
 def _free_memory(device: torch.device) -> int:
