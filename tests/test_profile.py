@@ -41,6 +41,7 @@ def test_wait_matches_an_injected_stall() -> None:
     expected = 15 * 0.02
     assert abs(report.wait_s - expected) <= max(0.05 * expected, 15 * 0.003), report
     assert 0.02 <= report.wait_p50_s < 0.03
+    assert 0.025 <= report.interval_p50_s < 0.04  # the wait and the 5 ms step
     assert 60 == report.samples
     assert "highly input-bound" == report.verdict
 

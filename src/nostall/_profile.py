@@ -36,6 +36,8 @@ class StallReport:
         wait_s: total seconds the consumer was blocked in ``next()``.
         loop_s: seconds from the first ``next()`` to the end of the last one (all epochs).
         wait_p50_s, wait_p90_s, wait_p99_s, wait_max_s: per-batch wait percentiles.
+        interval_p50_s, interval_p90_s: percentiles of the time between consecutive batches
+            (a step and its wait), within iterations.
         samples: samples handed out, when batch sizes could be read (a tensor's first
             dimension), else None.
         gpu_idle_s: on CUDA, seconds the consumer's stream sat idle waiting for batches
@@ -51,6 +53,8 @@ class StallReport:
     wait_p90_s: float = 0.0
     wait_p99_s: float = 0.0
     wait_max_s: float = 0.0
+    interval_p50_s: float = 0.0
+    interval_p90_s: float = 0.0
     samples: int | None = None
     gpu_idle_s: float | None = None
     rank: int | None = None
@@ -110,6 +114,12 @@ class StallReport:
                 + " ms",
             ),
         ]
+        rows.append(
+            (
+                "time between batches p50 / p90",
+                f"{self.interval_p50_s * 1e3:.2f} / {self.interval_p90_s * 1e3:.2f} ms",
+            )
+        )
         if self.samples_per_s is not None:
             rows.append(("samples/s", f"{self.samples_per_s:,.0f}"))
         if self.gpu_idle_s is not None:
@@ -140,6 +150,8 @@ class StallRecorder:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.waits: list[float] = []
+        self.intervals: list[float] = []
+        self._last_arrival: float | None = None
         self.samples: int | None = 0
         self._closed_s = 0.0  # loop time of the iterations that ended
         self._open_s = 0.0  # loop time so far of the one running
@@ -167,6 +179,9 @@ class StallRecorder:
         """The consumer got ``batch``."""
         now = time.perf_counter()
         self.waits.append(now - self._wait_start)
+        if self._last_arrival is not None:
+            self.intervals.append(now - self._last_arrival)
+        self._last_arrival = now
         self._open_s = now - (self._start if self._start is not None else now)
         if self._step_end is not None:
             self._events.append((self._step_end, _event(self.device)))
@@ -180,6 +195,7 @@ class StallRecorder:
         if self._start is not None:
             self._closed_s += time.perf_counter() - self._start
         self._start, self._open_s, self._step_end = None, 0.0, None
+        self._last_arrival = None
 
     def reset(self) -> None:
         """Forget everything recorded so far."""
@@ -188,6 +204,7 @@ class StallRecorder:
     def report(self, all_ranks: bool = False) -> StallReport:
         """The figures so far; with ``all_ranks``, gathered from every rank (a collective call)."""
         waits = sorted(self.waits)
+        intervals = sorted(self.intervals)
         gpu_idle = None
         if self._events:
             self._events[-1][1].synchronize()
@@ -200,6 +217,8 @@ class StallRecorder:
             wait_p90_s=_percentile(waits, 0.90),
             wait_p99_s=_percentile(waits, 0.99),
             wait_max_s=waits[-1] if waits else 0.0,
+            interval_p50_s=_percentile(intervals, 0.50),
+            interval_p90_s=_percentile(intervals, 0.90),
             samples=self.samples if waits else None,
             gpu_idle_s=gpu_idle,
             rank=_rank(),
