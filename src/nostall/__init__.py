@@ -4,6 +4,8 @@
 the device: fetched, pinned and copied in the background while the model computes.
 """
 
+from . import transforms
+from ._collate import collate_uint8
 from ._exceptions import (
     DeviceUnavailableError,
     NostallError,
@@ -29,9 +31,11 @@ __all__ = [
     "StallReport",
     "TuneResult",
     "__version__",
+    "collate_uint8",
     "pin_memory",
     "prefetch",
     "profile",
     "to_device",
+    "transforms",
     "tune",
 ]

@@ -7,7 +7,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -39,6 +39,7 @@ def prefetch(
     timeout: float | None = None,
     across_epochs: bool = False,
     profile: bool = False,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Prefetcher[T]:
     """Wrap ``source`` so that its next batches are loaded and moved to ``device`` meanwhile.
 
@@ -57,6 +58,8 @@ def prefetch(
         across_epochs: keep fetching into the next epoch when one ends (calling the source's
             ``set_epoch``), so that no epoch starts with an empty pipeline.
         profile: record how long each ``next()`` waits; read it with ``report()``.
+        transform: applied to each batch after it reached the device (on CUDA on the copy
+            stream, before the consumer's stream waits), e.g. ``nostall.transforms.Normalize``.
     """
     return Prefetcher(
         source,
@@ -66,6 +69,7 @@ def prefetch(
         timeout=timeout,
         across_epochs=across_epochs,
         profile=profile,
+        transform=transform,
     )
 
 
@@ -115,6 +119,7 @@ class Prefetcher(Generic[T]):
         timeout: float | None = None,
         across_epochs: bool = False,
         profile: bool = False,
+        transform: Callable[[Any], Any] | None = None,
     ) -> None:
         _check_iterable(source)
         _check_depth(depth)
@@ -129,6 +134,11 @@ class Prefetcher(Generic[T]):
                     f"{name} must be True, False{' or None' if name == 'pin_memory' else ''} "
                     f"(got {flag!r} that is a {type(flag).__name__})"
                 )
+        if transform is not None and not callable(transform):
+            raise TypeError(
+                f"transform must be callable, e.g. nostall.transforms.Normalize(...) (got "
+                f"{transform!r} that is a {type(transform).__name__})"
+            )
         self._source = source
         self.device = resolve_device(device)
         self.depth = depth
@@ -136,10 +146,10 @@ class Prefetcher(Generic[T]):
         self.across_epochs = across_epochs
         if self.device.type == "cuda":
             self.pin_memory = True if pin_memory is None else pin_memory
-            self._staging: Staging = CudaStaging(self.device, self.pin_memory)
+            self._staging: Staging = CudaStaging(self.device, self.pin_memory, transform)
         else:
             self.pin_memory = False  # pinned memory only speeds up copies to a GPU
-            self._staging = Staging(self.device)
+            self._staging = Staging(self.device, transform)
         self._lineage = _Lineage(isinstance(source, Iterator), EpochSource(source, across_epochs))
         self._recorder = StallRecorder(self.device) if profile else None
         self._closed = False

@@ -104,8 +104,10 @@ class Staging:
     ``stage`` runs in the producer thread, ``hand_out`` in the consumer thread.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None = None) -> None:
         self.device = device
+        #: Applied to each moved batch (``nostall.transforms``); on CUDA, on the copy stream.
+        self.transform = transform
 
     def start_thread(self) -> None:
         """Prepare the producer thread; called once in it before the first batch.
@@ -125,6 +127,8 @@ class Staging:
             lambda t: t if t.device == device else t.to(device),
             lambda obj: _call_to(obj, device, False),
         )
+        if self.transform is not None:
+            moved = self.transform(moved)
         return Staged(moved, None, [])
 
     def hand_out(self, staged: Staged) -> Any:
@@ -146,8 +150,10 @@ class CudaStaging(Staging):
         * ``non_blocking=True`` is used only from pinned memory, where it is truly asynchronous.
     """
 
-    def __init__(self, device: torch.device, pin: bool) -> None:
-        super().__init__(device)
+    def __init__(
+        self, device: torch.device, pin: bool, transform: Callable[[Any], Any] | None = None
+    ) -> None:
+        super().__init__(device, transform)
         self.pin = pin
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
@@ -161,6 +167,12 @@ class CudaStaging(Staging):
         tensors: list[torch.Tensor] = []
         with torch.cuda.stream(self.stream):
             moved = map_tensors(batch, self._leaf_mover(tensors), self._object_mover(tensors))
+            if self.transform is not None:
+                # On the copy stream too: it overlaps the model's compute, and the consumer's
+                # wait on the event covers it. Only the outputs need protecting from reuse;
+                # the inputs die here, on this stream.
+                moved = self.transform(moved)
+                tensors = [t for t in iter_tensors(moved) if t.is_cuda]
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
         return Staged(moved, ready, tensors)

@@ -1,0 +1,284 @@
+"""Batch transforms that run on the device, after the copy, on the prefetcher's copy stream.
+
+Image pipelines spend CPU cores turning uint8 images into normalised floats, and send four times
+the bytes over PCIe. With ``nostall.prefetch(loader, transform=...)`` the batch crosses as uint8
+and these transforms run on the GPU, on the copy stream, before the consumer's stream waits for
+the batch, so they overlap the model's compute.
+
+Invariants:
+    * Each transform works on a whole batch (N, C, H, W) and touches only the part of the batch
+      named by ``on`` (a key of a dict batch, an index of a tuple or list batch; a bare tensor
+      batch is transformed whole). The rest of the batch, and its container type, is kept.
+    * Random transforms draw from their own CPU ``torch.Generator``, seeded at construction, one
+      draw per batch, so a run is reproducible and gives the same numbers on CPU and CUDA.
+    * A transform allocates its output and at most small per-sample index or parameter
+      tensors; ``RandomResizedCrop`` also a sampling grid of 2/C of its output.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ChannelsLast",
+    "Compose",
+    "Normalize",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "ToDtype",
+    "Transform",
+]
+
+Key = Hashable | int
+
+
+class Transform:
+    """A batch transform applied to the part of the batch named by ``on``."""
+
+    def __init__(self, on: Key | None = 0) -> None:
+        self.on = on
+
+    def __call__(self, batch: Any) -> Any:
+        """Return ``batch`` with the selected tensor replaced by its transformed version."""
+        if isinstance(batch, torch.Tensor):
+            return self.apply(batch)
+        if self.on is None:
+            raise ValueError(
+                f"{type(self).__name__}(on=None) needs a tensor batch (got a "
+                f"{type(batch).__name__}); pass on=KEY for a dict or on=INDEX for a tuple"
+            )
+        return _replace(batch, self.on, self.apply, type(self).__name__)
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """Transform one batch tensor."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(on={self.on!r})"
+
+
+def _replace(batch: Any, key: Key, fn: Callable[[torch.Tensor], torch.Tensor], name: str) -> Any:
+    try:
+        value = batch[key]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(
+            f"{name}(on={key!r}) found nothing at {key!r} in a batch of type "
+            f"{type(batch).__name__}; use on=KEY for a dict batch, on=INDEX for a tuple"
+        ) from e
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}(on={key!r}) needs a tensor there (got {type(value).__name__})")
+    new = fn(value)
+    if isinstance(batch, tuple):
+        items = list(batch)
+        items[key] = new  # type: ignore[index]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    out = copy.copy(batch)  # a list or a mapping: keep its type (and a defaultdict's factory)
+    out[key] = new
+    return out
+
+
+class Compose(Transform):
+    """Apply transforms one after the other."""
+
+    def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
+        super().__init__(None)
+        self.transforms = list(transforms)
+
+    def __call__(self, batch: Any) -> Any:
+        """Each transform selects its own part of the batch."""
+        for transform in self.transforms:
+            batch = transform(batch)
+        return batch
+
+    def __repr__(self) -> str:
+        return f"Compose({self.transforms!r})"
+
+
+class ToDtype(Transform):
+    """Cast to ``dtype``; from an integer type to a float type, scale to [0, 1] (``scale``)."""
+
+    def __init__(self, dtype: torch.dtype, *, scale: bool = True, on: Key | None = 0) -> None:
+        super().__init__(on)
+        self.dtype, self.scale = dtype, scale
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """One allocation: the output."""
+        out = images.to(self.dtype)
+        if self.scale and not images.is_floating_point() and self.dtype.is_floating_point:
+            out.mul_(1.0 / _max_value(images.dtype))
+        return out
+
+
+class Normalize(Transform):
+    """(x - mean) / std per channel; a uint8 input is cast and scaled to [0, 1] first, fused.
+
+    For integer input the cast, the scaling and the normalisation are one cast plus one fused
+    multiply-add in place: ``x * (1 / (max * std)) - mean / std``.
+    """
+
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        dtype: torch.dtype = torch.float32,
+        on: Key | None = 0,
+    ) -> None:
+        super().__init__(on)
+        if len(mean) != len(std) or not mean:
+            raise ValueError(f"mean and std need one value per channel (got {mean}, {std})")
+        if any(s <= 0 for s in std):
+            raise ValueError(f"std must be > 0 (got {std})")
+        self.mean, self.std, self.dtype = tuple(mean), tuple(std), dtype
+        self._cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _coefficients(
+        self, images: torch.Tensor, scale: float, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (images.device, dtype, scale)
+        if key not in self._cache:
+            shape = (1, len(self.mean), 1, 1)
+            mean = torch.tensor(self.mean, dtype=torch.float64)
+            std = torch.tensor(self.std, dtype=torch.float64)
+            mul = (1.0 / (scale * std)).reshape(shape)
+            add = (-mean / std).reshape(shape)
+            self._cache[key] = (mul.to(images.device, dtype), add.to(images.device, dtype))
+        return self._cache[key]
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """One allocation: the output (the coefficients are cached per device and dtype)."""
+        if images.dim() != 4 or images.shape[1] != len(self.mean):
+            raise ValueError(
+                f"Normalize expects (N, {len(self.mean)}, H, W) images (got shape "
+                f"{tuple(images.shape)}); for channels-last data normalise before ChannelsLast"
+            )
+        if images.is_floating_point():
+            dtype, scale = images.dtype, 1.0
+        else:
+            dtype, scale = self.dtype, float(_max_value(images.dtype))
+        mul, add = self._coefficients(images, scale, dtype)
+        out = images.to(dtype, copy=images.is_floating_point())
+        return out.mul_(mul).add_(add)
+
+
+class ChannelsLast(Transform):
+    """Store images channels-last (NHWC in memory), which convolutions on recent GPUs prefer."""
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """A copy in the new layout (none if it is already so)."""
+        return images.contiguous(memory_format=torch.channels_last)
+
+
+class _Random(Transform):
+    def __init__(self, seed: int, on: Key | None) -> None:
+        super().__init__(on)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def reset(self) -> None:
+        """Start the random stream again from ``seed``."""
+        self.generator.manual_seed(self.seed)
+
+
+class RandomHorizontalFlip(_Random):
+    """Mirror each image left-right with probability ``p``."""
+
+    def __init__(self, p: float = 0.5, *, seed: int = 0, on: Key | None = 0) -> None:
+        super().__init__(seed, on)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p must be between 0 and 1 (got {p})")
+        self.p = p
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """One gather along the width: the output plus an (N, W) index."""
+        n, width = images.shape[0], images.shape[-1]
+        flip = torch.rand(n, generator=self.generator) < self.p
+        columns = torch.arange(width)
+        index = torch.where(flip[:, None], columns.flip(0), columns).to(images.device)
+        shape = (n,) + (1,) * (images.dim() - 2) + (width,)
+        return torch.gather(images, -1, index.reshape(shape).expand_as(images))
+
+
+class RandomResizedCrop(_Random):
+    """Crop a random area and aspect ratio of each image, resized to ``size`` (bilinear).
+
+    The boxes follow the usual rule (area in ``scale`` of the image, aspect ratio log-uniform in
+    ``ratio``, ten tries, then a centre crop), drawn per image. Sampling uses border-clamped
+    bilinear interpolation with pixel centres aligned (``align_corners=False``). The output is
+    float (``dtype``); integer images are scaled to [0, 1] unless ``scale_input=False``.
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        *,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        scale_input: bool = True,
+        on: Key | None = 0,
+    ) -> None:
+        super().__init__(seed, on)
+        self.size = (size, size) if isinstance(size, int) else tuple(size)
+        if not (0 < scale[0] <= scale[1] <= 1) or not (0 < ratio[0] <= ratio[1]):
+            raise ValueError(
+                f"need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1] "
+                f"(got scale={scale}, ratio={ratio})"
+            )
+        self.scale, self.ratio, self.dtype, self.scale_input = scale, ratio, dtype, scale_input
+
+    def boxes(self, n: int, height: int, width: int) -> torch.Tensor:
+        """(N, 4) boxes as (top, left, height, width), drawn from the generator."""
+        out = torch.empty(n, 4, dtype=torch.float64)
+        area = height * width
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for i in range(n):
+            draws = torch.rand(10, 4, generator=self.generator, dtype=torch.float64)
+            for a, r, t, l in draws.tolist():  # noqa: E741
+                target = area * (self.scale[0] + a * (self.scale[1] - self.scale[0]))
+                aspect = math.exp(log_ratio[0] + r * (log_ratio[1] - log_ratio[0]))
+                w = round(math.sqrt(target * aspect))
+                h = round(math.sqrt(target / aspect))
+                if 0 < w <= width and 0 < h <= height:
+                    out[i] = torch.tensor(
+                        [math.floor(t * (height - h + 1)), math.floor(l * (width - w + 1)), h, w]
+                    )
+                    break
+            else:
+                side = min(height, width)
+                out[i] = torch.tensor([(height - side) // 2, (width - side) // 2, side, side])
+        return out
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """Output (N, C, *size) in ``dtype``, plus an (N, *size, 2) sampling grid."""
+        n, _, height, width = images.shape
+        boxes = self.boxes(n, height, width)
+        top, left, h, w = boxes.unbind(1)
+        # Affine map from output to input in grid_sample's normalised coordinates.
+        theta = torch.zeros(n, 2, 3, dtype=torch.float64)
+        theta[:, 0, 0] = w / width
+        theta[:, 0, 2] = (2 * left + w) / width - 1
+        theta[:, 1, 1] = h / height
+        theta[:, 1, 2] = (2 * top + h) / height - 1
+        grid = F.affine_grid(
+            theta.to(images.device, self.dtype),
+            [n, images.shape[1], *self.size],
+            align_corners=False,
+        )
+        source = images.to(self.dtype)
+        if self.scale_input and not images.is_floating_point():
+            source.mul_(1.0 / _max_value(images.dtype))
+        return F.grid_sample(
+            source, grid, mode="bilinear", padding_mode="border", align_corners=False
+        )
+
+
+def _max_value(dtype: torch.dtype) -> int:
+    return 1 if dtype == torch.bool else torch.iinfo(dtype).max

@@ -1,0 +1,72 @@
+"""collate_uint8: uint8 images stacked as (N, C, H, W) uint8, never as float."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import nostall
+
+
+def test_numpy_hwc_images_become_nchw_uint8() -> None:
+    """PIL-style HWC arrays: channels moved first, values exact."""
+    arrays = [
+        np.random.default_rng(i).integers(0, 256, (5, 6, 3), dtype=np.uint8) for i in range(4)
+    ]
+    out = nostall.collate_uint8(arrays)
+    assert torch.uint8 == out.dtype
+    assert (4, 3, 5, 6) == tuple(out.shape)
+    for i, a in enumerate(arrays):
+        assert np.array_equal(a.transpose(2, 0, 1), out[i].numpy())
+
+
+def test_chw_tensors_and_grayscale() -> None:
+    """CHW tensors are stacked as they are; 2-D grayscale gets a channel."""
+    chw = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)]
+    assert torch.equal(torch.stack(chw), nostall.collate_uint8(chw))
+    gray = [np.zeros((4, 5), dtype=np.uint8)] * 2
+    assert (2, 1, 4, 5) == tuple(nostall.collate_uint8(gray).shape)
+
+
+def test_tuples_and_dicts_keep_labels_collated_as_usual() -> None:
+    """(image, label) and {"image", "label"} samples: images uint8, the rest default_collate."""
+    samples = [(np.zeros((4, 4, 3), dtype=np.uint8), i) for i in range(5)]
+    images, labels = nostall.collate_uint8(samples)
+    assert (5, 3, 4, 4) == tuple(images.shape)
+    assert torch.equal(torch.arange(5), labels)
+    dicts = [{"image": torch.zeros(3, 2, 2, dtype=torch.uint8), "label": 1.5}] * 2
+    out = nostall.collate_uint8(dicts)
+    assert torch.uint8 == out["image"].dtype
+    assert torch.equal(torch.tensor([1.5, 1.5], dtype=torch.float64), out["label"])
+
+
+def test_in_a_dataloader() -> None:
+    """As collate_fn of a DataLoader with workers."""
+    data = [(np.full((8, 8, 3), i, dtype=np.uint8), i) for i in range(10)]
+    loader = DataLoader(data, batch_size=4, num_workers=2, collate_fn=nostall.collate_uint8)
+    batches = list(loader)
+    assert [4, 4, 2] == [len(b[0]) for b in batches]
+    assert torch.uint8 == batches[0][0].dtype
+    assert 9 == int(batches[-1][0][-1, 0, 0, 0])
+
+
+def test_mismatched_shapes_name_the_image() -> None:
+    """A clear error naming the odd image."""
+    with pytest.raises(ValueError, match=r"image 1 is \(3, 5, 5\)"):
+        nostall.collate_uint8(
+            [torch.zeros(3, 4, 4, dtype=torch.uint8), torch.zeros(3, 5, 5, dtype=torch.uint8)]
+        )
+
+
+def test_float_image_at_the_top_is_refused() -> None:
+    """Float images are not silently stacked as uint8: say where to convert instead."""
+    with pytest.raises(TypeError, match=r"has dtype torch\.float32"):
+        nostall.collate_uint8([torch.zeros(3, 2, 2, dtype=torch.uint8), torch.zeros(3, 2, 2)])
+
+
+def test_no_samples() -> None:
+    """An empty list is an error, not an empty tensor of unknown shape."""
+    with pytest.raises(ValueError, match="no samples"):
+        nostall.collate_uint8([])

@@ -1,0 +1,237 @@
+"""nostall.transforms against references written here, on CPU (and CUDA where present)."""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same_batches
+
+import nostall
+from nostall import transforms as T
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def images(n: int = 4, h: int = 6, w: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def test_to_dtype_scales_integers() -> None:
+    """uint8 to float: divided by 255; float to float: unchanged values."""
+    x = images()
+    out = T.ToDtype(torch.float32)(x)
+    assert torch.float32 == out.dtype
+    torch.testing.assert_close(out.double(), x.double() / 255, atol=1e-6, rtol=0)
+    assert torch.equal(T.ToDtype(torch.float16, scale=False)(x), x.half())
+
+
+def test_normalize_fused_matches_the_reference() -> None:
+    """Cast, scale and normalise in one pass equals ((x / 255) - mean) / std."""
+    x = images()
+    mean = torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
+    reference = (x.double() / 255 - mean) / std
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
+        out = T.Normalize(MEAN, STD, dtype=dtype)(x)
+        assert dtype == out.dtype
+        torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
+
+
+def test_normalize_float_input_keeps_its_dtype_and_input() -> None:
+    """A float input is normalised into a new tensor; the input is untouched."""
+    x = images().float() / 255
+    before = x.clone()
+    out = T.Normalize(MEAN, STD)(x)
+    assert torch.equal(before, x)
+    expected = (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(out, expected)
+
+
+def test_normalize_rejects_bad_input() -> None:
+    """Channel count and std are checked, with the shape in the message."""
+    with pytest.raises(ValueError, match=r"expects \(N, 3, H, W\)"):
+        T.Normalize(MEAN, STD)(torch.zeros(2, 4, 3, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="std must be > 0"):
+        T.Normalize((0.5,), (0.0,))
+
+
+def test_channels_last() -> None:
+    """Same values, channels-last memory."""
+    x = images().float()
+    out = T.ChannelsLast()(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(x, out)
+
+
+def test_flip_matches_a_per_image_reference() -> None:
+    """Each image is mirrored exactly when its draw from the seeded generator says so."""
+    x = images(n=16)
+    out = T.RandomHorizontalFlip(0.5, seed=3)(x)
+    draws = torch.rand(16, generator=torch.Generator().manual_seed(3)) < 0.5
+    for i in range(16):
+        expected = x[i].flip(-1) if draws[i] else x[i]
+        assert torch.equal(expected, out[i])
+    assert 0 < int(draws.sum()) < 16  # both cases were exercised
+
+
+def test_random_transforms_are_reproducible() -> None:
+    """Same seed, same batches; reset() starts over; another seed differs."""
+    x = images(n=32)
+    a, b = T.RandomHorizontalFlip(seed=1), T.RandomHorizontalFlip(seed=1)
+    first = [a(x), a(x)]
+    assert all(torch.equal(p, q) for p, q in zip(first, [b(x), b(x)], strict=True))
+    a.reset()
+    assert torch.equal(first[0], a(x))
+    assert not torch.equal(first[0], T.RandomHorizontalFlip(seed=2)(x))
+
+
+def bilinear_reference(
+    image: torch.Tensor, box: list[float], size: tuple[int, int]
+) -> torch.Tensor:
+    """Border-clamped bilinear sampling of one (C, H, W) image, pixel centres aligned."""
+    top, left, h, w = box
+    channels, height, width = image.shape
+    out = torch.empty(channels, *size, dtype=torch.float64)
+    for oy in range(size[0]):
+        for ox in range(size[1]):
+            y = min(max(top + (oy + 0.5) * h / size[0] - 0.5, 0.0), height - 1.0)
+            x = min(max(left + (ox + 0.5) * w / size[1] - 0.5, 0.0), width - 1.0)
+            y0, x0 = math.floor(y), math.floor(x)
+            y1, x1 = min(y0 + 1, height - 1), min(x0 + 1, width - 1)
+            dy, dx = y - y0, x - x0
+            out[:, oy, ox] = (
+                image[:, y0, x0] * (1 - dy) * (1 - dx)
+                + image[:, y0, x1] * (1 - dy) * dx
+                + image[:, y1, x0] * dy * (1 - dx)
+                + image[:, y1, x1] * dy * dx
+            )
+    return out
+
+
+def test_random_resized_crop_matches_the_reference() -> None:
+    """Every image equals border-clamped bilinear sampling of its drawn box."""
+    x = images(n=6, h=9, w=11)
+    crop = T.RandomResizedCrop((5, 4), scale=(0.2, 1.0), seed=7)
+    out = crop(x)
+    assert (6, 3, 5, 4) == tuple(out.shape)
+    boxes = T.RandomResizedCrop((5, 4), scale=(0.2, 1.0), seed=7).boxes(6, 9, 11)
+    for i in range(6):
+        box = boxes[i].tolist()
+        assert 0 <= box[0]
+        assert box[0] + box[2] <= 9
+        assert 0 <= box[1]
+        assert box[1] + box[3] <= 11
+        expected = bilinear_reference(x[i].double() / 255, box, (5, 4))
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_crop_boxes_follow_the_area_and_ratio_rule() -> None:
+    """Areas within scale (up to rounding) and ratios within ratio, for many draws."""
+    crop = T.RandomResizedCrop(8, scale=(0.3, 0.6), ratio=(0.5, 2.0), seed=0)
+    boxes = crop.boxes(200, 64, 64)
+    area = boxes[:, 2] * boxes[:, 3] / (64 * 64)
+    assert float(area.min()) > 0.25
+    assert float(area.max()) < 0.66
+    aspect = boxes[:, 3] / boxes[:, 2]
+    assert float(aspect.min()) > 0.45
+    assert float(aspect.max()) < 2.2
+
+
+def test_on_selects_a_key_or_an_index_and_keeps_the_rest() -> None:
+    """Dicts, tuples and namedtuples keep their type; only the chosen part changes."""
+    x, y = images(), torch.arange(4)
+    d = T.Normalize(MEAN, STD, on="image")({"image": x, "label": y, "id": "a"})
+    assert d["label"] is y
+    assert "a" == d["id"]
+    assert torch.float32 == d["image"].dtype
+    t = T.ToDtype(torch.float32, on=0)((x, y))
+    assert type(t) is tuple
+    assert t[1] is y
+    Pair = namedtuple("Pair", ["image", "label"])
+    p = T.ToDtype(torch.float32)(Pair(x, y))
+    assert type(p) is Pair
+    assert p.label is y
+
+
+def test_on_pointing_nowhere_is_a_clear_error() -> None:
+    """A missing key says what was looked for."""
+    with pytest.raises(ValueError, match="found nothing at 'img'"):
+        T.ToDtype(torch.float32, on="img")({"image": images()})
+
+
+def test_compose_applies_in_order() -> None:
+    """Compose = one after the other."""
+    x = images()
+    composed = T.Compose([T.Normalize(MEAN, STD, on="image"), T.ChannelsLast(on="image")])
+    out = composed({"image": x})["image"]
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, T.Normalize(MEAN, STD)(x))
+
+
+def test_prefetch_with_transform_equals_transforming_the_plain_batches() -> None:
+    """transform= runs after the move, in order, seeded: the same as applying it by hand."""
+    batches = [(images(seed=i), torch.tensor([i])) for i in range(6)]
+
+    def pipeline() -> Any:
+        return T.Compose([T.RandomHorizontalFlip(seed=5), T.Normalize(MEAN, STD)])
+
+    by_hand = pipeline()
+    expected = [by_hand(b) for b in batches]
+    assert_same_batches(expected, nostall.prefetch(batches, "cpu", transform=pipeline()))
+
+
+def test_transform_must_be_callable() -> None:
+    """A clear TypeError at construction."""
+    with pytest.raises(TypeError, match="transform must be callable"):
+        nostall.prefetch([1], transform="normalize")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_cuda_results_equal_cpu_results() -> None:
+    """The same transforms on CUDA give the CPU's numbers within float tolerance."""
+    x = images(n=8, h=16, w=16)
+
+    def pipeline() -> T.Compose:
+        return T.Compose(
+            [
+                T.RandomResizedCrop(8, seed=2),
+                T.RandomHorizontalFlip(seed=3),
+                T.Normalize(MEAN, STD),
+                T.ChannelsLast(),
+            ]
+        )
+
+    cpu = pipeline()(x)
+    cuda = pipeline()(x.cuda())
+    torch.testing.assert_close(cuda.cpu(), cpu, atol=1e-4, rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_transform_on_the_copy_stream() -> None:
+    """Through the prefetcher on CUDA: same numbers as on the CPU, every batch."""
+    batches = [images(n=8, seed=i) for i in range(20)]
+    expected = [T.Normalize(MEAN, STD)(b) for b in batches]
+    got = list(nostall.prefetch(batches, "cuda", transform=T.Normalize(MEAN, STD)))
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g.cpu(), e)
+
+
+@pytest.mark.cuda
+def test_cuda_normalize_allocates_only_its_output() -> None:
+    """The fused cast-and-normalise allocates the output and nothing more (after caching)."""
+    x = images(n=64, h=64, w=64).cuda()
+    normalize = T.Normalize(MEAN, STD)
+    normalize(x)  # caches the coefficients
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = normalize(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= out.numel() * out.element_size() + 4096
