@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 bench: $(STAMP)
 	mkdir -p out
-	$(VENV)/bin/nostall bench --json out/bench.json --plot out/bench.png
+	$(VENV)/bin/nostall bench --gpu-transforms --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -118,3 +118,22 @@ def test_epoch_boundary_ratio_and_target() -> None:
     assert math.isclose(1.2, table["nostall across_epochs"].ratio)
     checks = {t.name: t for t in targets(result)}
     assert checks["epoch boundary <= 1.5 x the steady batch interval (across_epochs)"].met
+
+
+def test_workers_needed_and_its_target() -> None:
+    """The fewest workers within 95% of the best rate; 2x fewer on the device meets it."""
+    from nostall.bench._report import workers_needed
+
+    result = result_with(1.02, 0.01)
+    result.transforms = {
+        "image_size": 8,
+        "compute_samples_per_s": 1000.0,
+        "bytes_per_sample": {"cpu": 768, "device": 192},
+        "rates": {"cpu": {0: 300.0, 1: 600.0, 2: 960.0}, "device": {0: 500.0, 1: 990.0}},
+    }
+    assert {"cpu": 2, "device": 1} == workers_needed(result)
+    checks = {t.name: t for t in targets(result)}
+    assert checks["device-side normalising needs at least 2x fewer loader workers"].met
+    result.transforms["rates"]["device"] = {0: 500.0, 1: 700.0, 2: 990.0}
+    checks = {t.name: t for t in targets(result)}
+    assert not checks["device-side normalising needs at least 2x fewer loader workers"].met

@@ -103,3 +103,25 @@ def test_epoch_boundary_test_measures_every_way() -> None:
         assert [6, 6] == [len(arrivals) for arrivals in epochs]
     assert len(boundaries(result)) == len(EPOCH_CONTENDERS)
     assert "epoch boundaries over 2 epochs" in format_report(result)
+
+
+def test_gpu_transforms_test_measures_both_ways() -> None:
+    """--gpu-transforms: samples/s per worker count for each way, bytes per sample."""
+    from nostall.bench._report import workers_needed
+    from nostall.bench._runner import TRANSFORM_WAYS
+
+    config = BenchConfig(
+        ratios=(1.0,), contenders=("nostall",), gpu_transforms=True, transform_image_size=16, **TINY
+    )  # type: ignore[arg-type]
+    result = run_bench(config)
+    info = result.transforms
+    assert set(TRANSFORM_WAYS) == set(info["rates"])
+    for rates in info["rates"].values():
+        assert 0 in rates
+        assert all(r > 0 for r in rates.values())
+    assert (
+        info["bytes_per_sample"][TRANSFORM_WAYS[0]]
+        == 4 * info["bytes_per_sample"][TRANSFORM_WAYS[1]]
+    )
+    assert set(TRANSFORM_WAYS) == set(workers_needed(result))
+    assert "normalising on the CPU" in format_report(result)

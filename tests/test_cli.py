@@ -42,6 +42,8 @@ def test_bench_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None
         "--h2d-mb",
         "--epochs",
         "--epochs-ratio",
+        "--gpu-transforms",
+        "--transform-image-size",
         "--json",
         "--plot",
         "--no-progress",

@@ -172,6 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s: a loader with time to spare, so that what a boundary "
         "costs is not hidden by, nor mistaken for, a slow loader)",
     )
+    bench.add_argument(
+        "--gpu-transforms",
+        action="store_true",
+        help="also compare normalising images in the loader (CPU) with "
+        "normalising them on the device (nostall.transforms): loader "
+        "workers each needs, bytes moved per sample",
+    )
+    bench.add_argument(
+        "--transform-image-size",
+        type=_count,
+        default=defaults.transform_image_size,
+        help="image size of the --gpu-transforms test (default: %(default)s)",
+    )
     bench.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     bench.add_argument(
         "--plot", metavar="PATH", help="write a PNG chart to PATH (needs matplotlib: nostall[plot])"
@@ -286,6 +299,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             h2d_mb=args.h2d_mb,
             epochs=args.epochs,
             epochs_ratio=args.epochs_ratio,
+            gpu_transforms=args.gpu_transforms,
+            transform_image_size=args.transform_image_size,
             progress=not args.no_progress,
         )
         result = run_bench(config)

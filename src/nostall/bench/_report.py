@@ -101,6 +101,23 @@ def boundaries(result: BenchResult) -> list[Boundary]:
     return out
 
 
+def workers_needed(result: BenchResult) -> dict[str, int | None]:
+    """Fewest loader workers with which each way of normalising keeps the step fed.
+
+    "Fed" is 95% of the best rate any setting of either way reached (the compute-bound rate
+    as measured in the loop); None when no worker count tried got there.
+    """
+    rates: dict[str, dict[Any, float]] = result.transforms.get("rates", {})
+    if not rates:
+        return {}
+    top = max(r for by_count in rates.values() for r in by_count.values())
+    out: dict[str, int | None] = {}
+    for way, by_count in rates.items():
+        fed = [int(c) for c, r in by_count.items() if r >= 0.95 * top]
+        out[way] = min(fed) if fed else None
+    return out
+
+
 @dataclass(frozen=True)
 class Target:
     """A target from the benchmark's brief, and whether this run met it."""
@@ -168,6 +185,18 @@ def targets(result: BenchResult) -> list[Target]:
                     f"{b.ratio:.2f}x ({b.boundary_s * 1e3:.1f} ms vs {b.steady_s * 1e3:.1f} ms)",
                 )
             )
+    needed = workers_needed(result)
+    if len(needed) == 2:
+        cpu_side, device_side = needed.values()
+        if cpu_side is None or device_side is None:
+            met = device_side is not None and cpu_side is None
+            detail = f"workers needed: CPU-side {cpu_side}, device-side {device_side}"
+        else:
+            met = (cpu_side >= 2 * device_side) if device_side else cpu_side >= 1
+            detail = f"workers needed: CPU-side {cpu_side}, device-side {device_side}"
+        out.append(
+            Target("device-side normalising needs at least 2x fewer loader workers", met, detail)
+        )
     if result.h2d:
         big = [h for h in result.h2d if h["megabytes"] >= 8]
         shares = [h["nostall_pinned_source_gb_s"] / h["raw_pinned_gb_s"] for h in big]
@@ -237,6 +266,26 @@ def format_report(result: BenchResult) -> str:
         ]
         for name, us in sorted(handoff.items(), key=lambda kv: kv[1]):
             lines.append(f"  {name:<34}{us:>8.1f} us")
+    if result.transforms:
+        info = result.transforms
+        needed = workers_needed(result)
+        counts = sorted({int(c) for by in info["rates"].values() for c in by})
+        lines += [
+            "",
+            f"normalising on the CPU (in the loader) vs on the device (nostall.transforms)"
+            f": {info['image_size']}x{info['image_size']} images, samples/s by loader "
+            f"workers; the step alone runs {info['compute_samples_per_s']:,.0f} samples/s",
+            f"  {'way':<38}"
+            + "".join(f"{f'{c} workers':>12}" for c in counts)
+            + f"{'needed':>8}{'bytes/sample':>14}",
+        ]
+        for way, by_count in info["rates"].items():
+            cells = "".join(f"{by_count.get(c, by_count.get(str(c), 0.0)):>12,.0f}" for c in counts)
+            need = needed.get(way)
+            lines.append(
+                f"  {way:<38}{cells}{'-' if need is None else need:>8}"
+                f"{info['bytes_per_sample'][way]:>14,}"
+            )
     crossings = boundaries(result)
     if crossings:
         lines += [

@@ -23,6 +23,7 @@ from .._transfer import to_device
 from . import _contenders as c
 from ._metrics import gb_per_s
 from ._workload import (
+    NormalizedOnCpu,
     SmallConvNet,
     SyntheticImages,
     calibrate_hash_bytes_per_ms,
@@ -51,6 +52,8 @@ class BenchConfig:
     h2d_mb: tuple[float, ...] = (8.0, 32.0, 128.0)
     epochs: int = 3
     epochs_ratio: float = 0.5
+    gpu_transforms: bool = False
+    transform_image_size: int = 128
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -62,7 +65,15 @@ class BenchConfig:
             raise ValueError(f"epochs_ratio must be > 0 (got {self.epochs_ratio!r})")
         if self.epochs == 1:
             raise ValueError("epochs must be 0 (no boundary test) or an int >= 2 (got 1)")
-        for name in ("batches", "batch_size", "image_size", "width", "repeats", "handoff_batches"):
+        for name in (
+            "batches",
+            "batch_size",
+            "image_size",
+            "width",
+            "repeats",
+            "handoff_batches",
+            "transform_image_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
@@ -110,6 +121,8 @@ class BenchResult:
     ratios: list[RatioResult] = field(default_factory=list)
     handoff_s: dict[str, list[float]] = field(default_factory=dict)
     h2d: list[dict[str, float]] = field(default_factory=list)
+    #: ``--gpu-transforms``: per way of normalising, samples/s by number of loader workers.
+    transforms: dict[str, Any] = field(default_factory=dict)
     #: Per contender: seconds between consecutive batch arrivals, one list per epoch.
     epoch_intervals: dict[str, list[list[float]]] = field(default_factory=dict)
 
@@ -217,6 +230,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
     steps = len(config.ratios) * config.repeats * (len(contenders) + 3) + config.repeats
     steps += len(config.h2d_mb) if device.type == "cuda" else 0
     steps += len(EPOCH_CONTENDERS) if config.epochs else 0
+    steps += 2 * len(_worker_counts(workers)) if config.gpu_transforms else 0
     progress = Progress(steps, config.progress)
     try:
         model = SmallConvNet(config.width).to(device)
@@ -238,6 +252,8 @@ def run_bench(config: BenchConfig) -> BenchResult:
                 )
             )
         result.handoff_s = _run_handoff(config, device, handoff_contenders, progress)
+        if config.gpu_transforms:
+            result.transforms = _run_transforms(config, workers, device, hash_rate, progress)
         if config.epochs:
             result.epoch_intervals = _run_epochs(
                 config, compute_s, hash_rate, workers, device, step, progress
@@ -453,4 +469,81 @@ def _run_epochs(
             gc.collect()
             out[name] = epochs
             progress.step(f"epoch boundaries: {name}")
+    return out
+
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TRANSFORM_WAYS = ("CPU-side normalise (in the loader)", "device-side normalise (nostall)")
+
+
+def _worker_counts(most: int) -> list[int]:
+    return [0, *[w for w in (1, 2, 4, 8, 16) if w <= most]]
+
+
+def _run_transforms(
+    config: BenchConfig, workers: int, device: torch.device, hash_rate: float, progress: Progress
+) -> dict[str, Any]:
+    """Workers each way of normalising needs to keep the step fed, and bytes per sample.
+
+    The same uint8 images (``transform_image_size``) either become normalised float32 in the
+    loader (collated, pinned and copied at four bytes per value) or cross as uint8 and are
+    normalised by ``nostall.transforms.Normalize`` on the device, on the copy stream. Each
+    way runs with 0, 1, 2, 4, ... loader workers under ``nostall.prefetch``.
+    """
+    from .. import transforms as T
+    from .._collate import collate_uint8
+
+    size = config.transform_image_size
+    model = SmallConvNet(config.width).to(device)
+    step = make_train_step(model, device)
+    floats = torch.zeros(config.batch_size, 3, size, size, device=device)
+    labels = torch.zeros(config.batch_size, dtype=torch.int64, device=device)
+    compute_s = time_step(step, (floats, labels), device, 20)
+    # Loading (decoding) costs a quarter of the step, so that normalising decides the outcome.
+    base = SyntheticImages(
+        config.batches * config.batch_size,
+        image_size=size,
+        decode_ms=0.25 * compute_s * 1e3 / config.batch_size,
+        hash_bytes_per_ms=hash_rate,
+    )
+    cuda = device.type == "cuda"
+    out: dict[str, Any] = {
+        "image_size": size,
+        "compute_samples_per_s": config.batch_size / compute_s,
+        "bytes_per_sample": {
+            TRANSFORM_WAYS[0]: 3 * size * size * 4,
+            TRANSFORM_WAYS[1]: 3 * size * size,
+        },
+        "rates": {},
+    }
+    for way in TRANSFORM_WAYS:
+        rates: dict[int, float] = {}
+        for count in _worker_counts(workers):
+            if way == TRANSFORM_WAYS[0]:
+                loader = DataLoader(
+                    NormalizedOnCpu(base, MEAN, STD),
+                    batch_size=config.batch_size,
+                    num_workers=count,
+                    pin_memory=cuda,
+                    persistent_workers=count > 0,
+                )
+                feed = prefetch(loader, device)
+            else:
+                loader = DataLoader(
+                    base,
+                    batch_size=config.batch_size,
+                    num_workers=count,
+                    pin_memory=cuda,
+                    persistent_workers=count > 0,
+                    collate_fn=collate_uint8,
+                )
+                feed = prefetch(loader, device, transform=T.Normalize(MEAN, STD))
+            time_epoch(feed, step, device)  # warm-up: workers start, caches fill
+            epoch, _ = time_epoch(feed, step, device)
+            rates[count] = config.batches * config.batch_size / epoch
+            feed.close()
+            del feed, loader
+            gc.collect()
+            progress.step(f"transforms: {way}, {count} workers")
+        out["rates"][way] = rates
     return out
