@@ -6,6 +6,7 @@ the device: fetched, pinned and copied in the background while the model compute
 
 from . import transforms
 from ._collate import collate_uint8
+from ._devices import DeviceInfo, MemoryReport, devices, memory_report, release_cached_memory
 from ._exceptions import (
     DeviceUnavailableError,
     NostallError,
@@ -15,13 +16,17 @@ from ._exceptions import (
 )
 from ._prefetcher import Prefetcher, PrefetchIterator, prefetch
 from ._profile import StallReport, profile
+from ._streams import run_concurrently
+from ._timing import Timer, Timing, timeit
 from ._transfer import pin_memory, to_device
 from ._tune import TuneResult, tune
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeviceInfo",
     "DeviceUnavailableError",
+    "MemoryReport",
     "NostallError",
     "PrefetchIterator",
     "PrefetchTimeoutError",
@@ -29,12 +34,19 @@ __all__ = [
     "PrefetcherClosedError",
     "ProducerDiedError",
     "StallReport",
+    "Timer",
+    "Timing",
     "TuneResult",
     "__version__",
     "collate_uint8",
+    "devices",
+    "memory_report",
     "pin_memory",
     "prefetch",
     "profile",
+    "release_cached_memory",
+    "run_concurrently",
+    "timeit",
     "to_device",
     "transforms",
     "tune",

@@ -191,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    devices = commands.add_parser(
+        "devices",
+        help="list the visible accelerators and the host",
+        description=(
+            "Each visible CUDA device (after CUDA_VISIBLE_DEVICES) with its compute capability, "
+            "multiprocessors, free and total memory; with nvidia-ml-py installed "
+            "(nostall[nvml]) also utilisation, PCIe link, temperature and power. Without CUDA, "
+            "the CPU side: cores, memory, torch threads, MPS."
+        ),
+    )
+    devices.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     doctor = commands.add_parser(
         "doctor",
         help="diagnose your own loader and find a faster way to feed it",
@@ -240,6 +252,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args, parser)
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "devices":
+        return _devices(args)
+    return 0
+
+
+def _devices(args: argparse.Namespace) -> int:
+    import json
+
+    from ._devices import devices, format_devices, host_info
+
+    found, host = devices(), host_info()
+    if args.json:
+        print(json.dumps({"host": host, "devices": [d.to_dict() for d in found]}, indent=2))
+    else:
+        print(format_devices(found, host))
     return 0
 
 

@@ -1,11 +1,108 @@
-"""Timing helpers that are right under asynchronous device execution."""
+"""Timing that is right under asynchronous execution.
+
+CUDA calls return before the GPU has done the work: a wall-clock timing around queued kernels
+measures how long it took to *queue* them. :class:`Timer` and :func:`timeit` time GPU work with
+CUDA events recorded on the current stream, read after the end event completes; on the CPU they
+use the wall clock.
+"""
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+from ._device import DeviceLike, resolve_device
 
 
 def synchronize(device: torch.device) -> None:
     """Wait until all work queued on ``device`` has finished (a no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Timer:
+    """A context manager that times the work queued inside it, on the host or on the GPU.
+
+    ``with Timer("cuda") as t: model(x)`` then ``t.seconds`` is the GPU time of the work queued
+    in the block (the end event is waited for when ``seconds`` is read). On the CPU it is the
+    wall clock.
+    """
+
+    def __init__(self, device: DeviceLike = None) -> None:
+        self.device = resolve_device(device)
+        self._start: Any = None
+        self._end: Any = None
+        self._wall = 0.0
+
+    def __enter__(self) -> Timer:
+        if self.device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._start.record(torch.cuda.current_stream(self.device))
+        else:
+            self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.device.type == "cuda":
+            self._end.record(torch.cuda.current_stream(self.device))
+        else:
+            self._wall = time.perf_counter() - self._wall
+
+    @property
+    def seconds(self) -> float:
+        """The time measured (waits for the GPU when needed)."""
+        if self.device.type == "cuda":
+            self._end.synchronize()
+            return float(self._start.elapsed_time(self._end)) / 1e3
+        return self._wall
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Repeated timings of one callable, in seconds."""
+
+    times: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The median run."""
+        return float(statistics.median(self.times))
+
+    @property
+    def spread(self) -> float:
+        """Max minus min, over the median: how noisy the runs were."""
+        return (max(self.times) - min(self.times)) / self.median if self.median > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"median {self.median * 1e3:.3f} ms over {len(self.times)} runs "
+            f"(min {min(self.times) * 1e3:.3f}, max {max(self.times) * 1e3:.3f})"
+        )
+
+
+def timeit(
+    fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2, device: DeviceLike = None
+) -> Timing:
+    """Time ``fn()`` ``repeat`` times after ``warmup`` untimed calls; right under asynchrony.
+
+    On CUDA each run is timed with events on the current stream, so queued kernels count in
+    full; on the CPU with the wall clock.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"repeat must be >= 1 and warmup >= 0 (got {repeat}, {warmup})")
+    dev = resolve_device(device)
+    for _ in range(warmup):
+        fn()
+    synchronize(dev)
+    timers = []
+    for _ in range(repeat):
+        with Timer(dev) as timer:
+            fn()
+        timers.append(timer)
+    return Timing(tuple(t.seconds for t in timers))

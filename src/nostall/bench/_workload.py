@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .._timing import synchronize
+from .._timing import timeit
 
 
 def calibrate_hash_bytes_per_ms() -> float:
@@ -107,15 +107,11 @@ def make_train_step(model: nn.Module, device: torch.device) -> Callable[[Any], f
 
 
 def time_step(step: Callable[[Any], float], batch: Any, device: torch.device, n: int) -> float:
-    """Seconds per step on one device-resident batch (the compute-only measure), after warm-up."""
-    for _ in range(3):
-        step(batch)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(n):
-        step(batch)
-    synchronize(device)
-    return (time.perf_counter() - start) / n
+    """Seconds per step on one device-resident batch (the compute-only measure), after warm-up.
+
+    The median of ``n`` runs timed by :func:`nostall.timeit` (CUDA events on a GPU).
+    """
+    return timeit(lambda: step(batch), repeat=n, warmup=3, device=device).median
 
 
 class NormalizedOnCpu(Dataset[tuple[torch.Tensor, int]]):

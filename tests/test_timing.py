@@ -1,0 +1,100 @@
+"""Timer, timeit and run_concurrently: right under asynchronous execution."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import nostall
+
+
+def test_timeit_on_the_cpu() -> None:
+    """A 20 ms sleep times as 20 ms, with warm-up calls not timed."""
+    calls = []
+
+    def work() -> None:
+        calls.append(1)
+        time.sleep(0.02)
+
+    timing = nostall.timeit(work, repeat=5, warmup=2, device="cpu")
+    assert 7 == len(calls)
+    assert 5 == len(timing.times)
+    assert 0.019 < timing.median < 0.05
+    assert timing.spread >= 0
+    assert "median" in str(timing)
+
+
+def test_timer_context_on_the_cpu() -> None:
+    """The block's wall time."""
+    with nostall.Timer("cpu") as t:
+        time.sleep(0.01)
+    assert 0.009 < t.seconds < 0.1
+
+
+def test_timeit_rejects_bad_counts() -> None:
+    """repeat >= 1, warmup >= 0."""
+    with pytest.raises(ValueError, match="repeat must be >= 1"):
+        nostall.timeit(lambda: None, repeat=0)
+
+
+def test_run_concurrently_on_the_cpu_runs_in_order() -> None:
+    """Without CUDA the callables run one after the other; results in order."""
+    order: list[int] = []
+    results = nostall.run_concurrently(
+        lambda: order.append(1) or "a", lambda: order.append(2) or "b", device="cpu"
+    )
+    assert ["a", "b"] == results
+    assert [1, 2] == order
+
+
+@pytest.mark.cuda
+def test_cuda_unsynchronised_wall_clock_is_wrong_and_timeit_is_right() -> None:
+    """Seed 003's lesson: wall-clock around queued GPU work measures the queueing."""
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def work() -> None:
+        for _ in range(20):
+            a @ a
+
+    work()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    work()  # returns once queued
+    naive = time.perf_counter() - start
+    torch.cuda.synchronize()
+    true = nostall.timeit(work, repeat=3, device="cuda").median
+    assert naive < 0.5 * true, (naive, true)
+    start = time.perf_counter()
+    work()
+    torch.cuda.synchronize()
+    assert abs(true - (time.perf_counter() - start)) < 0.3 * true
+
+
+@pytest.mark.cuda
+def test_cuda_run_concurrently_prevents_the_seed_004_race() -> None:
+    """A sum on a new stream racing normal_() on the default stream: wrong; the helper: right.
+
+    The default stream is kept busy, then a big tensor is filled by normal_() there; reading
+    it on a fresh stream without a wait sees it unfinished.
+    """
+    n = 1 << 26
+
+    def fill() -> torch.Tensor:
+        torch.cuda._sleep(50_000_000)  # keep the default stream busy
+        x = torch.empty(n, device="cuda")
+        x.fill_(1.0)
+        return x
+
+    # The seed's documented wrong example: no wait before using x on a new stream.
+    x = fill()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        wrong = x.sum()
+    torch.cuda.synchronize()
+    assert float(wrong) != float(n)  # it read x before fill_ finished
+
+    x = fill()
+    (right,) = nostall.run_concurrently(lambda: x.sum())
+    assert float(right) == float(n)
