@@ -188,28 +188,25 @@ def tune(
         workers_choices = [None]
     best = Setting(workers_choices[0], 2)
     best_rate = trial(best)
-    for workers in workers_choices[1:]:
-        if not affordable():
-            break
-        candidate = Setting(workers, 2)
-        rate = trial(candidate)
-        if rate < best_rate * (1 + threshold):
+
+    def climb(candidates: Iterable[Setting]) -> None:
+        """Try each in turn while it gains ``threshold``; keep the best seen."""
+        nonlocal best, best_rate
+        for candidate in candidates:
+            if not affordable():
+                return
+            rate = trial(candidate)
+            gained = rate >= best_rate * (1 + threshold)
             if rate > best_rate:
                 best, best_rate = candidate, rate
-            break
-        best, best_rate = candidate, rate
+            if not gained:
+                return
+
+    climb(Setting(workers, 2) for workers in workers_choices[1:])
     depth_limit = _depth_limit(factory, best, dev)
     spent += 1  # the batch that showed the size
-    depth = 4
-    while depth <= depth_limit and affordable():
-        candidate = Setting(best.num_workers, depth)
-        rate = trial(candidate)
-        if rate < best_rate * (1 + threshold):
-            if rate > best_rate:
-                best, best_rate = candidate, rate
-            break
-        best, best_rate = candidate, rate
-        depth *= 2
+    workers = best.num_workers
+    climb(Setting(workers, 2**k) for k in range(2, 6) if 2**k <= depth_limit)
     return TuneResult(best, best_rate, curve, spent)
 
 
