@@ -224,8 +224,13 @@ def test_cuda_prefetch_transform_on_the_copy_stream() -> None:
 
 @pytest.mark.cuda
 def test_cuda_normalize_allocates_only_its_output() -> None:
-    """The fused cast-and-normalise allocates the output and nothing more (after caching)."""
-    x = images(n=64, h=64, w=64).cuda()
+    """The fused cast-and-normalise allocates the output and nothing more (after caching).
+
+    128 x 3 x 64 x 64 float32 is 6 MiB, a multiple of the allocator's 2 MiB rounding, so the
+    peak is exactly the output when nothing else is allocated; a second full-size buffer would
+    double it.
+    """
+    x = images(n=128, h=64, w=64).cuda()
     normalize = T.Normalize(MEAN, STD)
     normalize(x)  # caches the coefficients
     torch.cuda.synchronize()
@@ -234,4 +239,6 @@ def test_cuda_normalize_allocates_only_its_output() -> None:
     out = normalize(x)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    assert peak <= out.numel() * out.element_size() + 4096
+    output = out.numel() * out.element_size()
+    assert peak <= output + (2 << 20), (peak, output)
+    assert peak < 2 * output
