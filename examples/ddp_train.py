@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/ddp_train.py --epochs 2
 
-gloo on the CPU, NCCL on GPUs (one per rank, cuda:LOCAL_RANK). Each rank prefetches its own
+NCCL on GPUs when there is one per rank (cuda:LOCAL_RANK), else gloo on the CPU. Each rank prefetches its own
 shard across epochs; at the end rank 0 prints every rank's stall report and names the slowest.
 """
 
@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
+    # NCCL with one GPU per rank where there are enough; otherwise gloo on the CPU.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
