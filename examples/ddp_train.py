@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 examples/ddp_train.py --epochs 2
 
-NCCL on GPUs when there is one per rank (cuda:LOCAL_RANK), else gloo on the CPU. Each rank prefetches its own
-shard across epochs; at the end rank 0 prints every rank's stall report and names the slowest.
+NCCL on GPUs when there is one per rank (cuda:LOCAL_RANK), else gloo on the CPU. Each rank
+prefetches its own shard across epochs; at the end rank 0 prints every rank's stall report and
+names the slowest.
 """
 
 from __future__ import annotations
