@@ -33,14 +33,55 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[st
     )
 
 
-def test_gil_threads_shows_native_code_overlapping_python() -> None:
-    """A torch product in one thread overlaps a pure-Python loop in another."""
-    done = run(["examples/gil_threads.py", "--loop", "3000000", "--size", "600", "--products", "6"])
+def test_gil_threads_prints_its_timings() -> None:
+    """The seed-000 experiment runs and reports each pairing (timings vary with the machine)."""
+    done = run(["examples/gil_threads.py", "--loop", "2000000", "--size", "400", "--products", "4"])
     assert 0 == done.returncode, done.stderr
-    line = next(x for x in done.stdout.splitlines() if x.startswith("python loop + torch"))
-    both = float(line.split(": ")[1].split(" s")[0])
-    total = float(line.split("(sum ")[1].split(" s")[0])
-    assert both < 0.9 * total, line
+    for start in (
+        "python loop + numpy products in two threads",
+        "python loop + torch products in two threads",
+        "two python loops in two threads",
+    ):
+        assert any(line.startswith(start) for line in done.stdout.splitlines()), done.stdout
+
+
+def test_native_code_releases_the_gil() -> None:
+    """What the example shows, checked robustly: Python runs while a thread is in a matmul.
+
+    One large product runs in a thread while this thread counts. Had torch held the GIL through
+    it, the count would stop for the whole product (a few percent of the rate alone at most);
+    since it releases it, the count keeps a good share of its rate even on a loaded machine.
+    """
+    import threading
+    import time
+
+    import torch
+
+    def count_for(seconds: float) -> int:
+        end, counted = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            counted += 1
+        return counted
+
+    rate = count_for(0.05) / 0.05  # iterations per second alone
+    a = torch.randn(2000, 2000)
+    finished = threading.Event()
+
+    def product() -> None:
+        torch.set_num_threads(1)  # thread-local: one core for the product, one for this loop
+        a @ a @ a
+        finished.set()
+
+    start = time.perf_counter()
+    worker = threading.Thread(target=product)
+    worker.start()
+    counted = 0
+    while not finished.is_set():
+        counted += 1
+        time.perf_counter()  # the same work per iteration as when calibrating
+    elapsed = time.perf_counter() - start
+    worker.join()
+    assert counted > 0.2 * rate * elapsed, (counted, rate * elapsed)
 
 
 def test_hogwild_trains_the_shared_model() -> None:
