@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -101,3 +101,24 @@ class Unmovable:
 
     def to(self, device: Any, non_blocking: bool = False) -> Unmovable:
         raise RuntimeError(f"Unmovable cannot go to {device}")
+
+
+def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Peak bytes held by CPU allocations made while ``fn`` runs, and its result.
+
+    Read from the profiler's memory records: each op's own allocations less its frees, in
+    order; an op's temporaries that it frees before returning do not show (the kernels here
+    have none that matter).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    records = sorted(
+        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
+    )
+    held = peak = 0
+    for record in records:
+        held += record.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak, result

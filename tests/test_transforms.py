@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_batches
+from helpers import assert_same_batches, cpu_peak_bytes
 
 import nostall
 from nostall import transforms as T
@@ -131,6 +131,41 @@ def test_random_resized_crop_matches_the_reference() -> None:
         torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("transform", "slack"),
+    [
+        (T.Normalize(MEAN, STD), 1.0),
+        (T.ToDtype(torch.float16), 1.0),
+        (T.ChannelsLast(), 1.0),
+        (T.RandomHorizontalFlip(), 1.05),  # plus an (N, W) index
+        (T.RandomResizedCrop(32), 1.5),  # plus chunked buffers within half the output
+        (T.RandomResizedCrop(200), 1.5),  # upscaling: still chunked
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, float) else "",
+)
+def test_allocations_stay_within_the_output(transform: T.Transform, slack: float) -> None:
+    """Peak CPU allocation per batch is the output (times ``slack``) plus a few small tensors.
+
+    A 4x larger input as float32 (what converting the whole batch would hold) is 4x the
+    output for the 2x-downscaling crop; the bound catches it.
+    """
+    x = images(n=64, h=64, w=64)
+    transform(x)  # caches (Normalize's coefficients)
+    peak, out = cpu_peak_bytes(lambda: transform(x))
+    output = out.numel() * out.element_size()
+    assert peak <= slack * output + 16384, (peak, output)
+
+
+def test_crop_in_chunks_equals_the_reference_for_every_image() -> None:
+    """Chunking the batch (here two images a chunk) changes no value."""
+    x = images(n=12, h=24, w=24, seed=3)
+    out = T.RandomResizedCrop(24, scale=(0.3, 1.0), seed=5)(x)
+    boxes = T.RandomResizedCrop(24, scale=(0.3, 1.0), seed=5).boxes(12, 24, 24)
+    for i in range(12):
+        expected = bilinear_reference(x[i].double() / 255, boxes[i].tolist(), (24, 24))
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=0)
+
+
 def test_crop_boxes_follow_the_area_and_ratio_rule() -> None:
     """Areas within scale (up to rounding) and ratios within ratio, for many draws."""
     crop = T.RandomResizedCrop(8, scale=(0.3, 0.6), ratio=(0.5, 2.0), seed=0)
@@ -242,3 +277,18 @@ def test_cuda_normalize_allocates_only_its_output() -> None:
     output = out.numel() * out.element_size()
     assert peak <= output + (2 << 20), (peak, output)
     assert peak < 2 * output
+
+
+@pytest.mark.cuda
+def test_cuda_crop_allocations_stay_within_the_output() -> None:
+    """On the GPU too the crop holds its output plus chunk buffers within half of it."""
+    x = images(n=256, h=128, w=128).cuda()
+    crop = T.RandomResizedCrop(64)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = crop(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    output = out.numel() * out.element_size()  # 12 MiB: whole-batch float input would be 48
+    assert peak <= 1.5 * output + (2 << 20), (peak, output)

@@ -12,7 +12,9 @@ Invariants:
     * Random transforms draw from their own CPU ``torch.Generator``, seeded at construction, one
       draw per batch, so a run is reproducible and gives the same numbers on CPU and CUDA.
     * A transform allocates its output and at most small per-sample index or parameter
-      tensors; ``RandomResizedCrop`` also a sampling grid of 2/C of its output.
+      tensors; ``RandomResizedCrop`` also transient buffers within half its output (it works
+      through the batch in chunks). In-flight memory is therefore bounded by the prefetcher's
+      ``depth`` times the transformed batch.
 """
 
 from __future__ import annotations
@@ -257,8 +259,15 @@ class RandomResizedCrop(_Random):
         return out
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
-        """Output (N, C, *size) in ``dtype``, plus an (N, *size, 2) sampling grid."""
-        n, _, height, width = images.shape
+        """Output (N, C, *size) in ``dtype``; transient buffers stay within half the output.
+
+        ``grid_sample`` needs a float source and a sampling grid, and a whole batch of either
+        can be several times the output (a 4x larger input area is 4x the output as float).
+        So the batch goes through in chunks whose float source, grid and result together fit
+        in half the output's bytes (at least one image per chunk), each written into the
+        output. Images are independent, so chunking changes no value.
+        """
+        n, channels, height, width = images.shape
         boxes = self.boxes(n, height, width)
         top, left, h, w = boxes.unbind(1)
         # Affine map from output to input in grid_sample's normalised coordinates.
@@ -267,10 +276,21 @@ class RandomResizedCrop(_Random):
         theta[:, 0, 2] = (2 * left + w) / width - 1
         theta[:, 1, 1] = h / height
         theta[:, 1, 2] = (2 * top + h) / height - 1
+        theta = theta.to(images.device, self.dtype)
+        out_h, out_w = self.size
+        item = torch.empty((), dtype=self.dtype).element_size()
+        output_bytes = n * channels * out_h * out_w * item
+        per_image = (channels * height * width + out_h * out_w * (2 + channels)) * item
+        chunk = max(1, output_bytes // 2 // per_image)
+        out = torch.empty(n, channels, out_h, out_w, dtype=self.dtype, device=images.device)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            out[start:stop] = self._sample(images[start:stop], theta[start:stop])
+        return out
+
+    def _sample(self, images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         grid = F.affine_grid(
-            theta.to(images.device, self.dtype),
-            [n, images.shape[1], *self.size],
-            align_corners=False,
+            theta, [images.shape[0], images.shape[1], *self.size], align_corners=False
         )
         source = images.to(self.dtype)
         if self.scale_input and not images.is_floating_point():
