@@ -137,3 +137,30 @@ def test_workers_needed_and_its_target() -> None:
     result.transforms["rates"]["device"] = {0: 500.0, 1: 700.0, 2: 990.0}
     checks = {t.name: t for t in targets(result)}
     assert not checks["device-side normalising needs at least 2x fewer loader workers"].met
+
+
+def test_workers_target_when_a_way_never_keeps_up() -> None:
+    """Never fed with 2 workers means at least 3; the same-numbers target."""
+    result = result_with(1.02, 0.01)
+    name = "device-side normalising needs at least 2x fewer loader workers"
+    result.transforms = {
+        "image_size": 8,
+        "compute_samples_per_s": 1000.0,
+        "bytes_per_sample": {"cpu": 768, "device": 192},
+        "loader_ms_per_sample": {"cpu": 2.5, "device": 0.9},
+        "device_ms_per_sample": {"cpu": 0.0, "device": 0.01},
+        "max_abs_diff": 2e-7,
+        "rates": {"cpu": {0: 300.0, 1: 500.0, 2: 700.0}, "device": {0: 600.0, 1: 990.0}},
+    }
+    checks = {t.name: t for t in targets(result)}
+    assert checks[name].met  # at least 3 vs 1
+    assert "CPU-side > 2, device-side 1" in checks[name].detail
+    same = "device-side normalising gives the CPU-side numbers (max |diff| <= 1e-05)"
+    assert checks[same].met
+    result.transforms["rates"]["device"] = {0: 600.0, 1: 700.0, 2: 990.0}
+    assert not {t.name: t for t in targets(result)}[name].met  # at least 3 vs 2
+    result.transforms["rates"]["device"] = {0: 600.0, 1: 700.0, 2: 800.0}
+    result.transforms["rates"]["cpu"][2] = 990.0
+    assert not {t.name: t for t in targets(result)}[name].met  # only the CPU side kept up
+    result.transforms["max_abs_diff"] = 0.01
+    assert not {t.name: t for t in targets(result)}[same].met

@@ -124,4 +124,11 @@ def test_gpu_transforms_test_measures_both_ways() -> None:
         == 4 * info["bytes_per_sample"][TRANSFORM_WAYS[1]]
     )
     assert set(TRANSFORM_WAYS) == set(workers_needed(result))
-    assert "normalising on the CPU" in format_report(result)
+    for way in TRANSFORM_WAYS:
+        assert info["loader_ms_per_sample"][way] > 0
+    assert 0 == info["device_ms_per_sample"][TRANSFORM_WAYS[0]]
+    assert info["device_ms_per_sample"][TRANSFORM_WAYS[1]] > 0
+    assert 0 <= info["max_abs_diff"] <= 1e-5  # the same numbers either way
+    report = format_report(result)
+    assert "normalising on the CPU" in report
+    assert "same numbers" in report

@@ -22,6 +22,42 @@ def test_numpy_hwc_images_become_nchw_uint8() -> None:
         assert np.array_equal(a.transpose(2, 0, 1), out[i].numpy())
 
 
+def test_hwc_images_are_stacked_as_they_are_and_come_out_channels_last() -> None:
+    """No transposing pass: an (N, C, H, W) view whose memory is the HWC images in a row."""
+    arrays = [
+        np.random.default_rng(i).integers(0, 256, (5, 6, 3), dtype=np.uint8) for i in range(3)
+    ]
+    out = nostall.collate_uint8(arrays)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert np.array_equal(np.stack(arrays), out.permute(0, 2, 3, 1).numpy())
+    hwc_tensors = [torch.from_numpy(a) for a in arrays]  # HWC given as tensors: the same
+    assert torch.equal(out, nostall.collate_uint8(hwc_tensors))
+
+
+def test_flipped_and_sliced_arrays() -> None:
+    """Negative strides (np.fliplr) and strided slices are taken, values exact."""
+    base = np.random.default_rng(0).integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    images = [np.fliplr(base), base[::2, 1:7]]
+    out = nostall.collate_uint8([images[0], np.fliplr(base)])
+    assert np.array_equal(np.fliplr(base).transpose(2, 0, 1), out[0].numpy())
+    sliced = nostall.collate_uint8([images[1], images[1]])
+    assert np.array_equal(images[1].transpose(2, 0, 1), sliced[1].numpy())
+
+
+def _collate_reporting_shared(samples: list[object]) -> tuple[object, bool]:
+    out = nostall.collate_uint8(samples)
+    return out, out[0].is_shared()
+
+
+def test_in_a_worker_the_batch_is_built_in_shared_memory() -> None:
+    """Like default_collate: sending the batch to the main process copies nothing more."""
+    data = [(np.full((4, 4, 3), i, dtype=np.uint8), i) for i in range(4)]
+    loader = DataLoader(data, batch_size=2, num_workers=1, collate_fn=_collate_reporting_shared)
+    assert [True, True] == [shared for _, shared in loader]
+    main = _collate_reporting_shared(data)
+    assert not main[1]
+
+
 def test_chw_tensors_and_grayscale() -> None:
     """CHW tensors are stacked as they are; 2-D grayscale gets a channel."""
     chw = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)]

@@ -166,6 +166,24 @@ def test_crop_in_chunks_equals_the_reference_for_every_image() -> None:
         torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: T.Normalize(MEAN, STD),
+        lambda: T.ToDtype(torch.bfloat16),
+        lambda: T.ChannelsLast(),
+        lambda: T.RandomHorizontalFlip(seed=2),
+        lambda: T.RandomResizedCrop(5, seed=2),
+    ],
+    ids=["Normalize", "ToDtype", "ChannelsLast", "RandomHorizontalFlip", "RandomResizedCrop"],
+)
+def test_channels_last_input_gives_the_same_values(make: Any) -> None:
+    """collate_uint8 hands HWC images over channels-last; every transform takes them as such."""
+    x = images(n=5, h=8, w=9)
+    channels_last = x.contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(make()(channels_last), make()(x), atol=0, rtol=0)
+
+
 def test_crop_boxes_follow_the_area_and_ratio_rule() -> None:
     """Areas within scale (up to rounding) and ratios within ratio, for many draws."""
     crop = T.RandomResizedCrop(8, scale=(0.3, 0.6), ratio=(0.5, 2.0), seed=0)

@@ -1,12 +1,23 @@
-"""``collate_uint8``: stack uint8 images into one uint8 batch, with no float on the CPU."""
+"""``collate_uint8``: stack uint8 images into one uint8 batch, with no float on the CPU.
+
+Invariants:
+    * Every image batch is (N, C, H, W) uint8 with exactly the input's values.
+    * Channels-last input (NumPy HWC arrays as PIL and OpenCV give them, HWC tensors) is
+      stacked byte for byte and returned as a channels-last (N, C, H, W) view: transposing
+      every byte on the CPU would cost a loader worker more than the stacking itself, and GPU
+      convolutions prefer channels-last. ``.contiguous()`` on the device gives plain NCHW.
+    * In a DataLoader worker the batch is written straight into shared memory (as
+      ``default_collate`` does), so sending it to the main process copies nothing more.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 _CHANNELS = (1, 3, 4)
 
@@ -23,6 +34,8 @@ def _as_chw(image: Any, where: str) -> torch.Tensor:
                 f"collate_uint8: {where} is a {type(image).__name__}; it takes uint8 tensors or "
                 f"NumPy arrays"
             ) from e
+        except ValueError:  # negative strides (a flipped view): torch cannot view them
+            tensor = torch.from_numpy(image.copy())
         channels_last = True  # NumPy images (PIL, OpenCV) are height, width, channels
     if tensor.dtype != torch.uint8:
         raise TypeError(
@@ -52,10 +65,33 @@ def _stack(images: Sequence[Any]) -> torch.Tensor:
                 f"collate_uint8: image {i} is {tuple(view.shape)} (C, H, W) but image 0 is "
                 f"{tuple(shape)}; resize or crop to one size in the dataset"
             )
-    out = torch.empty((len(views), *shape), dtype=torch.uint8)
-    for i, view in enumerate(views):
-        out[i].copy_(view)  # one pass per image: layout change and stacking together
+    if all(_channels_last(view) for view in views):
+        hwc = [view.permute(1, 2, 0) for view in views]
+        out = _empty((len(views), *hwc[0].shape))
+        torch.stack(hwc, out=out)  # a plain copy per image
+        return out.permute(0, 3, 1, 2)  # (N, C, H, W), channels-last in memory
+    out = _empty((len(views), *shape))
+    torch.stack(views, out=out)
     return out
+
+
+def _channels_last(view: torch.Tensor) -> bool:
+    """Whether a (C, H, W) view is a permuted contiguous (H, W, C) image."""
+    c, h, w = view.stride()
+    return c == 1 and w == view.shape[0] and h == view.shape[0] * view.shape[2] and c != w
+
+
+def _empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """A uint8 tensor; in shared memory inside a DataLoader worker."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:  # kept for torch versions without it
+        out = torch.empty(shape, dtype=torch.uint8)
+        out.share_memory_()  # type: ignore[no-untyped-call]
+        return out
+    storage = new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
 
 def _is_image(value: Any) -> bool:
@@ -71,6 +107,9 @@ def collate_uint8(samples: Sequence[Any]) -> Any:
     or a mapping whose uint8 values are images. Images may be tensors (CHW, or HWC) or NumPy
     arrays (HWC, as PIL and OpenCV give them, or HW). Everything else is collated by PyTorch's
     ``default_collate``. Use it as ``DataLoader(..., collate_fn=nostall.collate_uint8)``.
+
+    HWC images come out as a channels-last (N, C, H, W) view of their bytes, with no
+    transposing pass on the CPU; ``nostall.transforms`` keep or set the layout on the device.
 
     Raises:
         TypeError: an image is not uint8 (the message says where to convert instead).

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from .._device import DeviceLike, resolve_device
 from .._prefetcher import prefetch
-from .._timing import synchronize
+from .._timing import synchronize, timeit
 from .._transfer import to_device
 from . import _contenders as c
 from ._metrics import gb_per_s
@@ -483,12 +483,19 @@ def _worker_counts(most: int) -> list[int]:
 def _run_transforms(
     config: BenchConfig, workers: int, device: torch.device, hash_rate: float, progress: Progress
 ) -> dict[str, Any]:
-    """Workers each way of normalising needs to keep the step fed, and bytes per sample.
+    """What moving normalisation to the device saves: loader CPU, workers, bytes; same numbers.
 
-    The same uint8 images (``transform_image_size``) either become normalised float32 in the
-    loader (collated, pinned and copied at four bytes per value) or cross as uint8 and are
-    normalised by ``nostall.transforms.Normalize`` on the device, on the copy stream. Each
-    way runs with 0, 1, 2, 4, ... loader workers under ``nostall.prefetch``.
+    The same (H, W, C) uint8 images (``transform_image_size``), as decoders give them, either
+    become normalised (C, H, W) float32 in the loader (torchvision's ``ToTensor`` then
+    ``Normalize``; collated, pinned and copied at four bytes per value) or are stacked by
+    ``collate_uint8``, cross as uint8 and are normalised by ``nostall.transforms.Normalize``
+    on the device, on the copy stream.
+
+    Measured for each way: the loader's CPU time per sample in one thread with one intra-op
+    thread (what a worker spends: dataset, normalising, collating); the device-side work per
+    sample (``Normalize`` on a device batch, CUDA events on a GPU); samples/s with 0, 1, 2,
+    4, ... loader workers under ``nostall.prefetch``; and the largest difference between the
+    two ways' first batches.
     """
     from .. import transforms as T
     from .._collate import collate_uint8
@@ -505,8 +512,29 @@ def _run_transforms(
         image_size=size,
         decode_ms=0.25 * compute_s * 1e3 / config.batch_size,
         hash_bytes_per_ms=hash_rate,
+        layout="hwc",  # as decoders give them: the CPU-side way also transposes (ToTensor)
     )
     cuda = device.type == "cuda"
+    normalize = T.Normalize(MEAN, STD)
+
+    def loader(way: str, count: int, pin: bool) -> DataLoader[Any]:
+        if way == TRANSFORM_WAYS[0]:
+            return DataLoader(
+                NormalizedOnCpu(base, MEAN, STD),
+                batch_size=config.batch_size,
+                num_workers=count,
+                pin_memory=pin,
+                persistent_workers=count > 0,
+            )
+        return DataLoader(
+            base,
+            batch_size=config.batch_size,
+            num_workers=count,
+            pin_memory=pin,
+            persistent_workers=count > 0,
+            collate_fn=collate_uint8,
+        )
+
     out: dict[str, Any] = {
         "image_size": size,
         "compute_samples_per_s": config.batch_size / compute_s,
@@ -514,36 +542,49 @@ def _run_transforms(
             TRANSFORM_WAYS[0]: 3 * size * size * 4,
             TRANSFORM_WAYS[1]: 3 * size * size,
         },
+        "loader_ms_per_sample": {
+            way: _loader_cpu_ms_per_sample(loader(way, 0, False)) for way in TRANSFORM_WAYS
+        },
         "rates": {},
+    }
+    on_cpu, as_uint8 = (next(iter(loader(way, 0, False)))[0] for way in TRANSFORM_WAYS)
+    device_input = as_uint8.to(device)
+    out["max_abs_diff"] = float((normalize(device_input).cpu() - on_cpu).abs().max())
+    per_batch = timeit(lambda: normalize(device_input), repeat=20, warmup=3, device=device)
+    out["device_ms_per_sample"] = {
+        TRANSFORM_WAYS[0]: 0.0,
+        TRANSFORM_WAYS[1]: per_batch.median * 1e3 / config.batch_size,
     }
     for way in TRANSFORM_WAYS:
         rates: dict[int, float] = {}
         for count in _worker_counts(workers):
-            if way == TRANSFORM_WAYS[0]:
-                loader = DataLoader(
-                    NormalizedOnCpu(base, MEAN, STD),
-                    batch_size=config.batch_size,
-                    num_workers=count,
-                    pin_memory=cuda,
-                    persistent_workers=count > 0,
-                )
-                feed = prefetch(loader, device)
-            else:
-                loader = DataLoader(
-                    base,
-                    batch_size=config.batch_size,
-                    num_workers=count,
-                    pin_memory=cuda,
-                    persistent_workers=count > 0,
-                    collate_fn=collate_uint8,
-                )
-                feed = prefetch(loader, device, transform=T.Normalize(MEAN, STD))
+            transform = None if way == TRANSFORM_WAYS[0] else normalize
+            feed = prefetch(loader(way, count, cuda), device, transform=transform)
             time_epoch(feed, step, device)  # warm-up: workers start, caches fill
             epoch, _ = time_epoch(feed, step, device)
             rates[count] = config.batches * config.batch_size / epoch
             feed.close()
-            del feed, loader
+            del feed
             gc.collect()
             progress.step(f"transforms: {way}, {count} workers")
         out["rates"][way] = rates
     return out
+
+
+def _loader_cpu_ms_per_sample(loader: DataLoader[Any]) -> float:
+    """CPU milliseconds per sample to load ``loader`` in this thread, as one worker would.
+
+    Thread CPU time, with one intra-op thread (a worker's setting), best of two passes.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(2):
+            start, samples = time.thread_time(), 0
+            for images, _labels in loader:
+                samples += len(images)
+            best = min(best, time.thread_time() - start)
+        return best * 1e3 / samples
+    finally:
+        torch.set_num_threads(threads)

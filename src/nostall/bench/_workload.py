@@ -34,7 +34,8 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
     """Labelled uint8 images whose loading costs ``decode_ms`` of CPU and ``io_ms`` of waiting.
 
     Each item's pixels are a pure function of its index, so any two loaders over the same
-    dataset can be compared batch for batch.
+    dataset can be compared batch for batch. ``layout="hwc"`` gives (H, W, C) images, as
+    image decoders (PIL, OpenCV) do; the default is (C, H, W).
     """
 
     def __init__(
@@ -46,8 +47,13 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
         decode_ms: float = 0.0,
         io_ms: float = 0.0,
         hash_bytes_per_ms: float = 1.0,
+        layout: str = "chw",
     ) -> None:
+        if layout not in ("chw", "hwc"):
+            raise ValueError(f"layout must be 'chw' or 'hwc' (got {layout!r})")
         self.length, self.image_size, self.classes = length, image_size, classes
+        self.layout = layout
+        self._cached: torch.Tensor | None = None
         self.decode_ms, self.io_ms = decode_ms, io_ms
         self._payload = bytes(max(0, int(decode_ms * hash_bytes_per_ms)))
 
@@ -59,9 +65,17 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
             time.sleep(self.io_ms / 1e3)
         if self._payload:
             hashlib.sha256(self._payload).digest()
-        size = self.image_size
-        image = torch.full((3, size, size), index % 251, dtype=torch.uint8)
-        return image, index % self.classes
+        # Pixels vary within an image, so that a layout mistake changes values; one add per
+        # item keeps the cost of making it close to nothing.
+        return self._pattern + index % 251, index % self.classes
+
+    @property
+    def _pattern(self) -> torch.Tensor:
+        if self._cached is None:
+            size = self.image_size
+            shape = (3, size, size) if self.layout == "chw" else (size, size, 3)
+            self._cached = (torch.arange(3 * size * size) % 251).to(torch.uint8).reshape(shape)
+        return self._cached
 
 
 class SmallConvNet(nn.Module):
@@ -117,8 +131,9 @@ def time_step(step: Callable[[Any], float], batch: Any, device: torch.device, n:
 class NormalizedOnCpu(Dataset[tuple[torch.Tensor, int]]):
     """The usual CPU-side pipeline: each uint8 image becomes a normalised float32 in the loader.
 
-    Wraps a uint8 dataset; the normalisation costs CPU time per sample and makes every sample
-    four times larger to collate, pin and copy.
+    Wraps a uint8 dataset; an (H, W, C) image is first made (C, H, W) as torchvision's
+    ``ToTensor`` does. The normalisation costs CPU time per sample and makes every sample four
+    times larger to collate, pin and copy.
     """
 
     def __init__(
@@ -136,4 +151,6 @@ class NormalizedOnCpu(Dataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.images[index]
+        if image.shape[-1] == self.mean.shape[0] and image.shape[0] != self.mean.shape[0]:
+            image = image.permute(2, 0, 1).contiguous()
         return (image.float() / 255 - self.mean) / self.std, label
