@@ -106,3 +106,17 @@ def test_no_samples() -> None:
     """An empty list is an error, not an empty tensor of unknown shape."""
     with pytest.raises(ValueError, match="no samples"):
         nostall.collate_uint8([])
+
+
+@pytest.mark.cuda
+def test_cuda_channels_last_batches_cross_as_they_are() -> None:
+    """A channels-last uint8 batch is pinned and copied with its strides; values exact."""
+    data = [
+        (np.random.default_rng(i).integers(0, 256, (6, 5, 3), dtype=np.uint8), i) for i in range(8)
+    ]
+    loader = DataLoader(data, batch_size=4, collate_fn=nostall.collate_uint8)
+    for (expected, _), (got, labels) in zip(loader, nostall.prefetch(loader, "cuda"), strict=True):
+        assert got.is_cuda
+        assert labels.is_cuda
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(expected, got.cpu())

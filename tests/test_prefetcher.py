@@ -676,6 +676,24 @@ def test_cuda_stream_safety_on_a_side_consumer_stream() -> None:
         assert 0 == _check_stream_safety(p, 200)
 
 
+def _made_on_the_device(n: int, size: int = 1 << 18) -> Iterator[torch.Tensor]:
+    """Batches a source writes on the GPU itself, late on its thread's stream."""
+    for i in range(n):
+        batch = torch.zeros(size, device="cuda")
+        torch.cuda._sleep(5_000_000)  # the write below lands well after the batch is yielded
+        batch.fill_(float(i))
+        yield batch
+
+
+@pytest.mark.cuda
+def test_cuda_source_made_batches_are_waited_for_on_a_side_stream() -> None:
+    """The consumer waits for the source's own device work, not only for nostall's copies."""
+    p = nostall.prefetch(_made_on_the_device(30), "cuda", depth=2)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert 0 == _check_stream_safety(p, 30)
+
+
 @pytest.mark.cuda
 def test_cuda_stream_check_catches_a_prefetcher_without_waits(
     monkeypatch: pytest.MonkeyPatch,

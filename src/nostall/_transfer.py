@@ -143,7 +143,8 @@ class CudaStaging(Staging):
         * One copy stream per instance, created here and never replaced (streams per epoch would
           grow reserved memory).
         * A batch is handed out only after the consumer's current stream waits on the event
-          recorded after its copies, so no kernel can read it early.
+          recorded after its copies and transforms, and after whatever the source queued on
+          the producer thread's stream, so no kernel can read it early.
         * Every CUDA tensor of a handed-out batch is ``record_stream``-ed on the consumer's
           stream, so the caching allocator does not reuse its memory for a later copy while the
           consumer's kernels may still read it.
@@ -165,6 +166,11 @@ class CudaStaging(Staging):
     def stage(self, batch: Any) -> Staged:
         """Pin and copy ``batch`` on the copy stream; record the event that marks it done."""
         tensors: list[torch.Tensor] = []
+        # A source may have made CUDA tensors in this thread, on its current stream (a GPU
+        # decoder, a batch already on the device): the copy stream, and so the event the
+        # consumer waits on, must come after that work, or a consumer on a side stream could
+        # read the batch before it is written.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             moved = map_tensors(batch, self._leaf_mover(tensors), self._object_mover(tensors))
             if self.transform is not None:
