@@ -207,3 +207,49 @@ def test_torchrun_names_the_rank_with_the_slow_loader(tmp_path: Path) -> None:
     assert 0 == done.returncode, done.stderr[-3000:]
     assert "slowest rank: 1" in done.stdout
     assert "rank 1" in done.stdout
+
+
+class _FakeEvent:
+    """Stands in for a CUDA timing event: completes when the fake GPU's clock passes it.
+
+    The fake GPU runs ten events behind the host, as a real one runs behind queued work.
+    """
+
+    gpu_done_ms = 0.0  # how far the fake GPU has got
+    clock_ms = 0.0
+
+    def __init__(self) -> None:
+        _FakeEvent.clock_ms += 1.5
+        _FakeEvent.gpu_done_ms = max(_FakeEvent.gpu_done_ms, _FakeEvent.clock_ms - 15.0)
+        self.at_ms = _FakeEvent.clock_ms
+
+    def query(self) -> bool:
+        return self.at_ms <= _FakeEvent.gpu_done_ms
+
+    def synchronize(self) -> None:
+        _FakeEvent.gpu_done_ms = max(_FakeEvent.gpu_done_ms, self.at_ms)
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        assert self.query()
+        assert other.query()
+        return other.at_ms - self.at_ms
+
+
+def test_cuda_idle_events_are_folded_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long run holds at most FOLD_EVERY pending pairs; the idle sum counts every pair."""
+    from nostall import _profile
+
+    monkeypatch.setattr(_profile, "_event", lambda device: _FakeEvent())
+    monkeypatch.setattr(_FakeEvent, "clock_ms", 0.0)
+    monkeypatch.setattr(_FakeEvent, "gpu_done_ms", 0.0)
+    recorder = _profile.StallRecorder(torch.device("cuda"))
+    most = 0
+    for _ in range(500):
+        recorder.before_next()
+        recorder.after_next(torch.zeros(2))
+        most = max(most, len(recorder._events))
+    assert most <= recorder.FOLD_EVERY
+    assert len(recorder._events) < 500
+    report = recorder.report()
+    assert report.gpu_idle_s == pytest.approx(500 * 1.5e-3)  # each pair is 1.5 ms apart
+    assert not recorder._events  # report waited for the last pair and folded all

@@ -144,8 +144,13 @@ class StallRecorder:
 
     Not thread-safe: one consumer thread records. The cost per batch is two clock reads, and on
     CUDA two event records. Loop time adds up each iteration from its first ``next()`` to its
-    end, so time between epochs (validation, checkpoints) does not count.
+    end, so time between epochs (validation, checkpoints) does not count. On CUDA, pairs of
+    events whose second event has completed are folded into a running sum (checked without
+    waiting, every ``FOLD_EVERY`` batches), so a long run holds a bounded number of events.
     """
+
+    #: Pending event pairs above which completed ones are folded into the sum.
+    FOLD_EVERY = 64
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -158,6 +163,8 @@ class StallRecorder:
         self._start: float | None = None
         self._wait_start = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._idle_ms = 0.0  # GPU idle of the pairs already folded
+        self._folded = False
         self._step_end: torch.cuda.Event | None = None
 
     @property
@@ -186,6 +193,8 @@ class StallRecorder:
         if self._step_end is not None:
             self._events.append((self._step_end, _event(self.device)))
             self._step_end = None
+            if len(self._events) >= self.FOLD_EVERY:
+                self._fold(wait=False)
         if self.samples is not None:
             size = _batch_size(batch)
             self.samples = None if size is None else self.samples + size
@@ -197,6 +206,24 @@ class StallRecorder:
         self._start, self._open_s, self._step_end = None, 0.0, None
         self._last_arrival = None
 
+    def _fold(self, wait: bool) -> None:
+        """Add the idle time of completed event pairs to the sum and drop them, oldest first.
+
+        Events on one stream complete in order, so the first pending pair that has not
+        completed ends the folding; with ``wait`` the last pair is waited for first.
+        """
+        if wait and self._events:
+            self._events[-1][1].synchronize()
+        done = 0
+        for start, stop in self._events:
+            if not stop.query():  # type: ignore[no-untyped-call]
+                break
+            self._idle_ms += start.elapsed_time(stop)
+            done += 1
+        if done:
+            del self._events[:done]
+            self._folded = True
+
     def reset(self) -> None:
         """Forget everything recorded so far."""
         self.__init__(self.device)  # type: ignore[misc]
@@ -206,9 +233,9 @@ class StallRecorder:
         waits = sorted(self.waits)
         intervals = sorted(self.intervals)
         gpu_idle = None
-        if self._events:
-            self._events[-1][1].synchronize()
-            gpu_idle = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        if self._events or self._folded:
+            self._fold(wait=True)
+            gpu_idle = self._idle_ms / 1e3
         report = StallReport(
             batches=len(waits),
             wait_s=sum(waits),
