@@ -112,3 +112,25 @@ def test_ddp_train_under_torchrun() -> None:
     for rank in (0, 1):
         assert f"rank {rank} epoch 1: mean loss" in done.stdout
     assert "slowest rank:" in done.stdout
+
+
+def test_gpu_normalize_gives_the_same_batches() -> None:
+    """The loop moved to device-side normalising matches the CPU-side one batch for batch."""
+    done = run(
+        [
+            "examples/gpu_normalize.py",
+            "--device",
+            "cpu",
+            "--batches",
+            "4",
+            "--batch-size",
+            "8",
+            "--size",
+            "32",
+            "--workers",
+            "1",
+        ]
+    )
+    assert 0 == done.returncode, done.stdout + done.stderr
+    assert "largest difference between the two" in done.stdout
+    assert "24,576 bytes/batch" in done.stdout  # 8 x 3 x 32 x 32 uint8, a quarter of float32
