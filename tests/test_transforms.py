@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import math
+import time
 from collections import namedtuple
 from typing import Any
 
@@ -237,6 +239,95 @@ def test_prefetch_with_transform_equals_transforming_the_plain_batches() -> None
     by_hand = pipeline()
     expected = [by_hand(b) for b in batches]
     assert_same_batches(expected, nostall.prefetch(batches, "cpu", transform=pipeline()))
+
+
+def _augment(seed: int = 5) -> T.Compose:
+    return T.Compose(
+        [
+            T.RandomHorizontalFlip(seed=seed),
+            T.RandomResizedCrop(4, seed=seed + 1),
+            T.Normalize(MEAN, STD),
+        ]
+    )
+
+
+def test_state_dict_continues_the_random_draws() -> None:
+    """A fresh, identically built pipeline loaded with the state draws what the first would."""
+    first = _augment()
+    for i in range(3):
+        first(images(seed=i))
+    state = first.state_dict()
+    resumed = _augment()
+    resumed.load_state_dict(state)
+    for i in range(3, 6):
+        torch.testing.assert_close(resumed(images(seed=i)), first(images(seed=i)), atol=0, rtol=0)
+    assert not torch.equal(_augment()(images(seed=9)), first(images(seed=9)))  # state matters
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (lambda: _augment(seed=6), "seed=5, this one has seed=6"),
+        (lambda: T.Compose([T.RandomHorizontalFlip(seed=5)]), "holds 3 transforms"),
+        (
+            lambda: T.Compose(
+                [
+                    T.RandomResizedCrop(4, seed=5),
+                    T.RandomHorizontalFlip(seed=5),
+                    T.Normalize(MEAN, STD),
+                ]
+            ),
+            "not from a RandomResizedCrop",
+        ),
+        (lambda: T.Normalize(MEAN, STD), "not from a Normalize"),
+    ],
+    ids=["seed", "length", "order", "type"],
+)
+def test_a_state_from_other_transforms_is_refused(other: Any, message: str) -> None:
+    """Clear errors that say what differs."""
+    with pytest.raises(ValueError, match=message):
+        other().load_state_dict(_augment().state_dict())
+
+
+def test_prefetcher_checkpoint_resumes_the_transform_draws() -> None:
+    """A checkpoint taken while batches were transformed ahead resumes the draws exactly.
+
+    Resumed in a fresh prefetcher, the rest of the epoch equals the uninterrupted run's,
+    crops and flips included.
+    """
+    batches = [images(n=3, h=8, w=8, seed=i) for i in range(10)]
+    expected = list(nostall.prefetch(batches, "cpu", transform=_augment()))
+    p = nostall.prefetch(batches, "cpu", depth=4, transform=_augment())
+    it = iter(p)
+    for i in range(4):
+        torch.testing.assert_close(next(it), expected[i], atol=0, rtol=0)
+    time.sleep(0.05)  # the producer runs ahead: the pipeline's generators are past batch 4
+    saved = io.BytesIO()
+    torch.save(p.state_dict(), saved)
+    p.close()
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    assert "transform" in state
+    resumed = nostall.prefetch(batches, "cpu", transform=_augment())
+    resumed.load_state_dict(state)
+    assert_same_batches(expected[4:], resumed)
+    # The control: without the transform state, the resumed draws differ.
+    del state["transform"]
+    fresh = nostall.prefetch(batches, "cpu", transform=_augment())
+    fresh.load_state_dict(state)
+    assert any(not torch.equal(a, b) for a, b in zip(expected[4:], list(fresh), strict=True))
+
+
+def test_prefetcher_refuses_a_transform_state_that_does_not_fit() -> None:
+    """At load_state_dict, not at the next epoch."""
+    batches = [images(seed=i) for i in range(4)]
+    p = nostall.prefetch(batches, "cpu", transform=_augment())
+    next(iter(p))
+    state = p.state_dict()
+    p.close()
+    other = nostall.prefetch(batches, "cpu", transform=_augment(seed=1))
+    with pytest.raises(ValueError, match="seed=5, this one has seed=1"):
+        other.load_state_dict(state)
 
 
 def test_transform_must_be_callable() -> None:

@@ -151,6 +151,7 @@ class Prefetcher(Generic[T]):
             self.pin_memory = False  # pinned memory only speeds up copies to a GPU
             self._staging = Staging(self.device, transform)
         self._lineage = _Lineage(isinstance(source, Iterator), EpochSource(source, across_epochs))
+        self._lineage.transform_state = self._staging.transform_state()
         self._recorder = StallRecorder(self.device) if profile else None
         self._closed = False
         # Across epochs the producer outlives each iteration; once nobody can start the next
@@ -268,8 +269,12 @@ class Prefetcher(Generic[T]):
         else:
             epoch, yielded, saved = lineage.position
         if epochs.stateful:
-            return build_state(epoch, yielded, saved, None, {})
-        return build_state(epoch, yielded, None, saved, describe_order(self._source))
+            state = build_state(epoch, yielded, saved, None, {})
+        else:
+            state = build_state(epoch, yielded, None, saved, describe_order(self._source))
+        if lineage.transform_state is not None:
+            state["transform"] = lineage.transform_state
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state``: the next iteration yields the rest of its epoch.
@@ -282,6 +287,18 @@ class Prefetcher(Generic[T]):
             raise PrefetcherClosedError("this Prefetcher was closed; it cannot load a state")
         lineage = self._lineage
         checked = check_state(state, lineage.epochs)
+        transform_state = checked.get("transform")
+        transform = self._staging.transform
+        if transform_state is not None and transform is not None:
+            check = getattr(transform, "check_state", None)
+            if callable(check):
+                check(transform_state)  # a mismatch fails here, not at the next epoch
+            elif not callable(getattr(transform, "load_state_dict", None)):
+                raise ValueError(
+                    f"the state holds a transform state, but this prefetcher's transform "
+                    f"{transform!r:.60} has no load_state_dict(); pass the transform it was "
+                    f"saved with"
+                )
         active = lineage.active_iteration()
         if active is not None:
             active._stop("load_state_dict() was called on the Prefetcher")
@@ -290,6 +307,9 @@ class Prefetcher(Generic[T]):
         lineage.epochs.resume = checked
         lineage.loaded = checked
         lineage.position = None
+        if transform_state is not None and transform is not None:
+            lineage.pending_transform_state = transform_state
+            lineage.transform_state = transform_state
 
     def close(self) -> None:
         """Stop the current iteration and its producer thread; idempotent.
@@ -351,6 +371,11 @@ class _Lineage:
         self.exhausted = False  # a one-shot source has ended
         self.active: weakref.ref[PrefetchIterator[Any]] | None = None
         self.owner_alive = True
+        #: The transform's state after the last batch handed out (before any: as built).
+        self.transform_state: Any = None
+        #: A transform state loaded, to set when the next producer starts (not before: the
+        #: previous producer may still be transforming a batch).
+        self.pending_transform_state: Any = None
 
     def active_iteration(self) -> PrefetchIterator[Any] | None:
         return self.active() if self.active is not None else None
@@ -435,6 +460,8 @@ class PrefetchIterator(Iterator[T]):
             self._index += 1
             lineage.position = (epoch, self._index, state)
             lineage.loaded = None
+            if payload.transform_state is not None:
+                lineage.transform_state = payload.transform_state
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
         self._last_depth = channel.depth
         self._channel = None
@@ -472,6 +499,11 @@ class PrefetchIterator(Iterator[T]):
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
+        if lineage.pending_transform_state is not None:
+            self._staging.transform.load_state_dict(  # type: ignore[union-attr]
+                lineage.pending_transform_state
+            )
+            lineage.pending_transform_state = None
         epochs = lineage.epochs
         auto = self._depth == "auto"
         channel = Channel(

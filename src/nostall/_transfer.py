@@ -96,6 +96,9 @@ class Staged(NamedTuple):
     ready: torch.cuda.Event | None
     #: The CUDA tensors to mark as used by the consumer's stream (``record_stream``).
     tensors: list[torch.Tensor]
+    #: The transform's ``state_dict()`` right after this batch, when it has one: what a
+    #: checkpoint taken after handing this batch out must hold.
+    transform_state: Any = None
 
 
 class Staging:
@@ -108,6 +111,12 @@ class Staging:
         self.device = device
         #: Applied to each moved batch (``nostall.transforms``); on CUDA, on the copy stream.
         self.transform = transform
+        state_dict = getattr(transform, "state_dict", None)
+        self._transform_state = state_dict if callable(state_dict) else None
+
+    def transform_state(self) -> Any:
+        """The transform's state now (``None`` without a transform or ``state_dict``)."""
+        return None if self._transform_state is None else self._transform_state()
 
     def start_thread(self) -> None:
         """Prepare the producer thread; called once in it before the first batch.
@@ -129,7 +138,7 @@ class Staging:
         )
         if self.transform is not None:
             moved = self.transform(moved)
-        return Staged(moved, None, [])
+        return Staged(moved, None, [], self.transform_state())
 
     def hand_out(self, staged: Staged) -> Any:
         """Return the batch, ready for use by the calling thread (consumer thread)."""
@@ -181,7 +190,7 @@ class CudaStaging(Staging):
                 tensors = [t for t in iter_tensors(moved) if t.is_cuda]
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
-        return Staged(moved, ready, tensors)
+        return Staged(moved, ready, tensors, self.transform_state())
 
     def _leaf_mover(self, out: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         device, pin = self.device, self.pin

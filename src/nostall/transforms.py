@@ -11,6 +11,9 @@ Invariants:
       batch is transformed whole). The rest of the batch, and its container type, is kept.
     * Random transforms draw from their own CPU ``torch.Generator``, seeded at construction, one
       draw per batch, so a run is reproducible and gives the same numbers on CPU and CUDA.
+      ``state_dict`` / ``load_state_dict`` carry the generator through a checkpoint, and
+      ``nostall.prefetch`` saves it per batch handed out, so a resumed run draws what the
+      uninterrupted run would have.
     * A transform allocates its output and at most small per-sample index or parameter
       tensors; ``RandomResizedCrop`` also transient buffers within half its output (it works
       through the batch in chunks). In-flight memory is therefore bounded by the prefetcher's
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +64,27 @@ class Transform:
         """Transform one batch tensor."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue the transform's random draws exactly.
+
+        ``nostall.prefetch`` saves it per batch, so that ``Prefetcher.state_dict`` holds the
+        state after the last batch handed out, not after the batches transformed ahead.
+        """
+        return {"type": type(self).__name__}
+
+    def check_state(self, state: object) -> None:
+        """Raise ``ValueError`` unless ``state`` came from an identically built transform."""
+        if not isinstance(state, Mapping) or state.get("type") != type(self).__name__:
+            got = state.get("type") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"this transform state is not from a {type(self).__name__} (got {got!r}); "
+                f"build the same transforms, in the same order, as when it was saved"
+            )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (see :meth:`state_dict`)."""
+        self.check_state(state)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(on={self.on!r})"
 
@@ -97,6 +121,37 @@ class Compose(Transform):
         for transform in self.transforms:
             batch = transform(batch)
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each transform's state, in order (``None`` for callables without one)."""
+        return {
+            "type": "Compose",
+            "transforms": [
+                t.state_dict() if isinstance(t, Transform) else None for t in self.transforms
+            ],
+        }
+
+    def check_state(self, state: object) -> None:
+        """Raise ``ValueError`` unless ``state`` fits these transforms, one by one."""
+        super().check_state(state)
+        assert isinstance(state, Mapping)
+        states = state.get("transforms")
+        if not isinstance(states, list) or len(states) != len(self.transforms):
+            count = len(states) if isinstance(states, list) else states
+            raise ValueError(
+                f"this Compose state holds {count} transforms, this Compose has "
+                f"{len(self.transforms)}; build the same transforms as when it was saved"
+            )
+        for t, sub in zip(self.transforms, states, strict=True):
+            if isinstance(t, Transform):
+                t.check_state(sub)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load each transform's state."""
+        self.check_state(state)
+        for t, sub in zip(self.transforms, state["transforms"], strict=True):
+            if isinstance(t, Transform):
+                t.load_state_dict(sub)
 
     def __repr__(self) -> str:
         return f"Compose({self.transforms!r})"
@@ -186,6 +241,30 @@ class _Random(Transform):
     def reset(self) -> None:
         """Start the random stream again from ``seed``."""
         self.generator.manual_seed(self.seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed and where the generator is (a copy)."""
+        return {**super().state_dict(), "seed": self.seed, "generator": self.generator.get_state()}
+
+    def check_state(self, state: object) -> None:
+        """Also the same seed, and a generator state."""
+        super().check_state(state)
+        assert isinstance(state, Mapping)
+        if state.get("seed") != self.seed:
+            raise ValueError(
+                f"this {type(self).__name__} state was saved with seed={state.get('seed')!r}, "
+                f"this one has seed={self.seed}; build it with the seed it was saved with"
+            )
+        generator = state.get("generator")
+        if not isinstance(generator, torch.Tensor) or generator.dtype != torch.uint8:
+            raise ValueError(
+                f"this {type(self).__name__} state has no generator state (a uint8 tensor)"
+            )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the random draws from where ``state`` left them."""
+        self.check_state(state)
+        self.generator.set_state(state["generator"].clone())
 
 
 class RandomHorizontalFlip(_Random):
