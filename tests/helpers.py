@@ -106,19 +106,21 @@ class Unmovable:
 def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     """Peak bytes held by CPU allocations made while ``fn`` runs, and its result.
 
-    Read from the profiler's memory records: each op's own allocations less its frees, in
-    order; an op's temporaries that it frees before returning do not show (the kernels here
-    have none that matter).
+    Read from the profiler's raw memory records (every allocation and free, in time order),
+    so temporaries an op allocates and frees before returning count too.
     """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
+    assert prof.profiler is not None
     records = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
     )
     held = peak = 0
-    for record in records:
-        held += record.self_cpu_memory_usage
+    for _, nbytes in records:
+        held += nbytes
         peak = max(peak, held)
     return peak, result

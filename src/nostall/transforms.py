@@ -176,7 +176,8 @@ class Normalize(Transform):
     """(x - mean) / std per channel; a uint8 input is cast and scaled to [0, 1] first, fused.
 
     For integer input the cast, the scaling and the normalisation are one cast plus one fused
-    multiply-add in place: ``x * (1 / (max * std)) - mean / std``.
+    multiply-add in place: ``x * (1 / (max * std)) - mean / std``, computed in float32 (or
+    float64) and rounded to ``dtype`` once.
     """
 
     def __init__(
@@ -219,9 +220,19 @@ class Normalize(Transform):
             dtype, scale = images.dtype, 1.0
         else:
             dtype, scale = self.dtype, float(_max_value(images.dtype))
-        mul, add = self._coefficients(images, scale, dtype)
+        # Coefficients in at least float32 and one fused multiply-add: the result is rounded to
+        # ``dtype`` once (for bfloat16 and float16 the correctly rounded value, the same on
+        # every device), where in-place steps in ``dtype`` would round three times.
+        mul, add = self._coefficients(images, scale, torch.promote_types(dtype, torch.float32))
         out = images.to(dtype, copy=images.is_floating_point())
-        return out.mul_(mul).add_(add)
+        if out.device.type == "cpu" and mul.dtype != out.dtype and len(out) > 1:
+            # CPU kernels compute mixed dtypes through temporaries in the computing dtype (two
+            # of them, each twice a half-precision output): a sixteenth of the batch at a time
+            # keeps them within a quarter of the output. GPU kernels cast as they go.
+            for part in torch.split(out, -(-len(out) // 16)):
+                torch.addcmul(add, part, mul, out=part)
+            return out
+        return torch.addcmul(add, out, mul, out=out)
 
 
 class ChannelsLast(Transform):
