@@ -124,3 +124,13 @@ def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
         held += nbytes
         peak = max(peak, held)
     return peak, result
+
+
+def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Peak bytes the caching allocator handed out on the GPU while ``fn`` ran, and its result."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before, result

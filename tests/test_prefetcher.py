@@ -671,9 +671,12 @@ def test_cuda_stream_safety_under_a_busy_compute_stream() -> None:
 def test_cuda_stream_safety_on_a_side_consumer_stream() -> None:
     """The consumer's current stream, whatever it is, is the one that waits."""
     p = nostall.prefetch(_filled(200), "cuda", depth=2)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        assert 0 == _check_stream_safety(p, 200)
+    assert 0 == _check_on_a_side_stream(p, 200)
+
+
+def _check_on_a_side_stream(p: Prefetcher[torch.Tensor], steps: int) -> int:
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return _check_stream_safety(p, steps)
 
 
 def _made_on_the_device(n: int, size: int = 1 << 18) -> Iterator[torch.Tensor]:
@@ -689,9 +692,7 @@ def _made_on_the_device(n: int, size: int = 1 << 18) -> Iterator[torch.Tensor]:
 def test_cuda_source_made_batches_are_waited_for_on_a_side_stream() -> None:
     """The consumer waits for the source's own device work, not only for nostall's copies."""
     p = nostall.prefetch(_made_on_the_device(30), "cuda", depth=2)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        assert 0 == _check_stream_safety(p, 30)
+    assert 0 == _check_on_a_side_stream(p, 30)
 
 
 @pytest.mark.cuda

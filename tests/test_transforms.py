@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_batches, cpu_peak_bytes
+from helpers import assert_same_batches, cpu_peak_bytes, cuda_peak_bytes
 
 import nostall
 from nostall import transforms as T
@@ -380,12 +380,7 @@ def test_cuda_normalize_allocates_only_its_output() -> None:
     x = images(n=128, h=64, w=64).cuda()
     normalize = T.Normalize(MEAN, STD)
     normalize(x)  # caches the coefficients
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = normalize(x)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak, out = cuda_peak_bytes(lambda: normalize(x))
     output = out.numel() * out.element_size()
     assert peak <= output + (2 << 20), (peak, output)
     assert peak < 2 * output
@@ -396,11 +391,6 @@ def test_cuda_crop_allocations_stay_within_the_output() -> None:
     """On the GPU too the crop holds its output plus chunk buffers within half of it."""
     x = images(n=256, h=128, w=128).cuda()
     crop = T.RandomResizedCrop(64)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = crop(x)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak, out = cuda_peak_bytes(lambda: crop(x))
     output = out.numel() * out.element_size()  # 12 MiB: whole-batch float input would be 48
     assert peak <= 1.5 * output + (2 << 20), (peak, output)
