@@ -67,7 +67,7 @@ def test_error_message_carries_the_same_object() -> None:
 
     channel = start(2, "gen", source())
     assert BATCH == channel.get(0, None)[0]
-    kind, payload, _, _ = channel.get(1, None)
+    kind, payload, _, _, _ = channel.get(1, None)
     assert ERROR == kind
     assert payload is error
 

@@ -518,10 +518,21 @@ def test_breaking_out_of_a_generator_loses_nothing() -> None:
 # -- placement (row 18, off CUDA) and threads ---------------------------------------------------
 
 
+def staged_on_meta(batches: list[Any]) -> list[Any]:
+    """The prefetcher's staging step to the meta device, the one non-CPU device everywhere.
+
+    (The prefetcher itself refuses device="meta": nothing can be computed on what it yields.)
+    """
+    from nostall._transfer import Staging
+
+    staging = Staging(torch.device("meta"))
+    return [staging.hand_out(staging.stage(b)) for b in batches]
+
+
 def test_every_tensor_reaches_the_target_device() -> None:
     """On the meta device (available everywhere) every tensor leaf moves, dtypes kept."""
     batches = [{"x": torch.ones(2, dtype=torch.float16), "ids": [torch.arange(3)], "s": "a"}] * 3
-    for batch in nostall.prefetch(batches, "meta"):
+    for batch in staged_on_meta(batches):
         assert "meta" == batch["x"].device.type
         assert torch.float16 == batch["x"].dtype
         assert "meta" == batch["ids"][0].device.type
@@ -556,7 +567,7 @@ def test_structure_is_kept_through_the_prefetcher() -> None:
         "own": Own(),
         "nested": {"deeper": [(torch.ones(1), 7, b"b")]},
     }
-    (out,) = list(nostall.prefetch([batch], "meta"))
+    (out,) = staged_on_meta([batch])
     assert type(out["od"]) is OrderedDict
     assert ["z", "a"] == list(out["od"])
     assert "meta" == out["od"]["z"].device.type

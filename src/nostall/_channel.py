@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import sys
 import threading
@@ -29,11 +30,17 @@ EXIT_JOIN_S = 2.0
 # Kinds of message on a channel.
 BATCH = "batch"
 END = "end"
+#: An error in one batch (its ``next(source)``, its move or transform): the epoch goes on, as a
+#: DataLoader's iterator does after a batch raised.
 ERROR = "error"
+#: An error that ends the epoch: ``iter(source)`` failed, or not an ``Exception`` (e.g. a
+#: ``KeyboardInterrupt`` inside the source).
+FAILED = "failed"
 
-#: (kind, payload, epoch, state): a staged batch, an epoch's end (payload: its batch count) or
-#: an error; the epoch it belongs to; what a state saved right after it needs.
-Message = tuple[str, Any, int, Any]
+#: (kind, payload, epoch, state, hook): a staged batch, an epoch's end (payload: its batch
+#: count) or an error; the epoch it belongs to; what a state saved right after it needs; what
+#: the source's framework must see when it is handed out (see ``EpochSource.after_pull``).
+Message = tuple[str, Any, int, Any, Any]
 
 
 class Channel:
@@ -49,7 +56,13 @@ class Channel:
           pull the next batch itself (see :meth:`get`): it would otherwise wait for the same
           work, and on a fast source this saves two thread switches per batch. Both rules
           together keep every batch once and in order.
-        * Once ``finished``, nothing more is pulled.
+        * Once ``finished``, nothing more is pulled. An error in one batch does not finish the
+          channel: the next pull asks the same iterator for the following batch.
+        * Across epochs, the next epoch is opened (its ``set_epoch`` called, its order drawn)
+          only once ``may_open`` is set: when the consumer has taken the epoch's last batch
+          (by ``len(source)``) or its end. Until then the consumer may still stop early, and a
+          framework may still set the epoch on the sampler itself (Lightning does); opening
+          sooner would draw the next order from a stale epoch.
     """
 
     def __init__(
@@ -85,6 +98,16 @@ class Channel:
         self.phase = "not started"
         #: Called once with the first staged batch (``depth="auto"`` sizes its budget there).
         self.on_first_batch: Callable[[Staged], None] | None = None
+        #: Set once the producer thread gave itself its own intra-op thread count.
+        self.threads_set = threading.Event()
+        #: Across epochs: set when the consumer reached the end of the epoch being handed out.
+        self.may_open = threading.Event()
+        #: Batches in the epoch being handed out (``len(source)``), when the source has a length.
+        self.expected: int | None = None
+        #: ``EpochSource.marks()`` read right after each epoch's order was drawn, by epoch, and
+        #: when the last epoch ended (before the next one was opened).
+        self.marks: dict[int, Any] = {}
+        self.end_marks: Any = None
 
     # -- either side, holding pull_lock ----------------------------------------------------------
 
@@ -95,11 +118,12 @@ class Channel:
         epochs, an epoch's end is followed by the next epoch's batches.
         """
         epoch = self.epoch
+        epochs = self.epochs
         name = threading.current_thread().name
         if self.batches is None:  # across epochs: the next one starts here
             self.phase = f"iter(source) for epoch {epoch}"
             try:
-                self.batches, self.pulled = self.epochs.open(epoch)
+                self.batches, self.pulled = epochs.open(epoch)
             except BaseException as e:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
         index = self.pulled
@@ -108,40 +132,68 @@ class Channel:
             batch = next(self.batches)
         except StopIteration:
             self.batches = None
-            if self.epochs.across_epochs:
+            if epoch not in self.marks:
+                self.marks[epoch] = epochs.marks()
+            self.end_marks = epochs.marks()
+            if epochs.across_epochs:
                 self.epoch, self.pulled = epoch + 1, 0
             else:
                 self.finished = True
-            return self._with_state(END, index, epoch, self.epochs.end_state)
+            return self._with_state(END, index, epoch, epochs.end_state, epochs.after_pull(True))
         except BaseException as e:
+            self.pulled += 1  # the source moved past it: the next pull asks for the next batch
             return self._failed(e, f"raised by next(source) for batch {index}, in {name!r}")
+        finally:
+            if epoch not in self.marks and self.batches is not None:
+                self.marks[epoch] = epochs.marks()  # the order is drawn by now
+        hook = epochs.after_pull(False)
         self.phase = f"moving batch {index} to {self.staging.device}"
+        self.pulled += 1
         try:
             staged = self.staging.stage(batch)
         except BaseException as e:
             where = f"raised while moving batch {index} to {self.staging.device}, in {name!r}"
-            return self._failed(e, where)
-        self.pulled += 1
+            return self._failed(e, where, hook)
         if self.on_first_batch is not None:
-            hook, self.on_first_batch = self.on_first_batch, None
-            hook(staged)
-        return self._with_state(BATCH, staged, epoch, lambda: self.epochs.batch_state(epoch))
+            on_first, self.on_first_batch = self.on_first_batch, None
+            on_first(staged)
+        return self._with_state(BATCH, staged, epoch, lambda: epochs.batch_state(epoch), hook)
 
-    def _with_state(self, kind: str, payload: Any, epoch: int, state: Callable[[], Any]) -> Message:
+    def _with_state(
+        self, kind: str, payload: Any, epoch: int, state: Callable[[], Any], hook: Any
+    ) -> Message:
         try:
-            return kind, payload, epoch, state()
+            return kind, payload, epoch, state(), hook
         except BaseException as e:
-            return self._failed(e, "raised by the source's state_dict()")
+            return self._failed(e, "raised by the source's state_dict()", hook)
 
-    def _failed(self, error: BaseException, where: str) -> Message:
-        self.batches, self.finished = None, True
-        return ERROR, _noted(error, where), self.epoch, None
+    def _failed(self, error: BaseException, where: str, hook: Any = None) -> Message:
+        """An error message: one batch's (the epoch goes on) or the epoch's (it ends)."""
+        ends_epoch = self.batches is None or not isinstance(error, Exception)
+        if ends_epoch:
+            self.batches, self.finished = None, True
+        state = None
+        if not ends_epoch:
+            try:  # where a checkpoint taken after this error resumes: after the failed batch
+                state = self.epochs.batch_state(self.epoch)
+            except Exception:
+                state = None
+        return FAILED if ends_epoch else ERROR, _noted(error, where), self.epoch, state, hook
 
     # -- producer side -------------------------------------------------------------------------
 
     def acquire(self) -> bool:
         """Take a slot for the next batch; False once the consumer asked the producer to stop."""
         while not self.slots.acquire(timeout=POLL_S):
+            if self.stop.is_set():
+                return False
+        return not self.stop.is_set()
+
+    def wait_to_open(self) -> bool:
+        """Across epochs, wait until the next epoch may be opened; False once told to stop."""
+        if self.finished:
+            return True  # nothing to open: the pull returns at once
+        while not self.may_open.wait(POLL_S):
             if self.stop.is_set():
                 return False
         return not self.stop.is_set()
@@ -171,7 +223,15 @@ class Channel:
             stolen = self._pull_here() if timeout is None else None
             if stolen is not None:
                 return stolen
-            message = self._wait(index, timeout)
+            try:
+                message = self._wait(index, timeout)
+            except (PrefetchTimeoutError, ProducerDiedError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                # Raised into this thread while it waited: PyTorch's SIGCHLD handler does so
+                # when a DataLoader worker dies.
+                _noted(e, f"raised in the consumer thread while it waited for batch {index}")
+                raise
         self.slots.release()
         return message
 
@@ -192,6 +252,8 @@ class Channel:
         try:
             if self.finished or not self.items.empty():
                 return None  # it queued one just before we took the lock: _wait takes it
+            if self.batches is None and not self.may_open.is_set():
+                return None  # the next epoch may not be opened yet: the producer waits for it
             return self.pull()
         finally:
             self.pull_lock.release()
@@ -239,16 +301,21 @@ class Channel:
 
 
 def add_note(error: BaseException, note: str) -> None:
-    """Attach ``note`` to ``error`` (shown under its traceback on Python 3.11+)."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10: keep the note where 3.11+ would, for anyone who looks
+    """Attach ``note`` to ``error`` (shown under its traceback on Python 3.11+).
+
+    Never raises: an exception that refuses notes (attribute writes refused, ``__notes__`` not a
+    list) still reaches the user, itself, only without the note.
+    """
+    with contextlib.suppress(Exception):
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+            return
+        # Python 3.10: keep the note where 3.11+ would, for anyone who looks
         notes = getattr(error, "__notes__", None)
         if isinstance(notes, list):
             notes.append(note)
         else:
-            with contextlib.suppress(AttributeError):
-                error.__notes__ = [note]  # type: ignore[attr-defined]
+            error.__notes__ = [note]  # type: ignore[attr-defined]
 
 
 def produce(channel: Channel) -> None:
@@ -262,14 +329,18 @@ def produce(channel: Channel) -> None:
     try:
         try:
             channel.staging.start_thread()
+            channel.threads_set.set()
         except BaseException as e:
             if channel.acquire():
                 name = threading.current_thread().name
                 with channel.pull_lock:
                     where = f"raised in {name!r} while preparing it for {channel.staging.device}"
+                    channel.batches = None  # nothing can be staged: the epoch ends here
                     channel.put(channel._failed(e, where))
             return
         while channel.acquire():
+            if channel.batches is None and not channel.wait_to_open():
+                return
             with channel.pull_lock:
                 if channel.finished:
                     return  # the consumer pulled the end or an error itself
@@ -277,7 +348,7 @@ def produce(channel: Channel) -> None:
                 channel.put(message)
             kind = message[0]
             del message  # the consumer owns the batch now
-            if kind is ERROR or (kind is END and not channel.epochs.across_epochs):
+            if kind is FAILED or (kind is END and not channel.epochs.across_epochs):
                 return
     finally:
         with channel.pull_lock:
@@ -316,6 +387,20 @@ def join_quietly(thread: threading.Thread | None, timeout: float) -> bool:
     thread.join(timeout)
     return not thread.is_alive()
 
+
+#: Bumped in a child process after ``fork()``: producer threads do not survive a fork, so an
+#: iteration started before it cannot deliver batches after it.
+fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global fork_generation
+    fork_generation += 1
+    _live.clear()  # their threads exist in the parent only
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # Runs before the interpreter finalises (and before torch's own exit handler, registered
 # earlier), so producers stop while the sources they pull from still work.

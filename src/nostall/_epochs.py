@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from ._accelerate import ShardMirror
+
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1
 
@@ -78,9 +80,38 @@ def capture_rng(source: object) -> dict[str, torch.Tensor]:
 def _sampler_epoch(source: object) -> int | None:
     for sampler in _samplers(source).values():
         epoch = getattr(sampler, "epoch", None)
-        if isinstance(epoch, int):
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
             return epoch
     return None
+
+
+def epoch_marks(source: object) -> tuple[tuple[str, int], ...]:
+    """The ``epoch`` attributes of the objects ``set_epoch`` may reach, where they have one.
+
+    Compared before and after, they show a ``set_epoch`` made directly on the sampler (as
+    Lightning does, through ``loader.sampler``) that nostall did not make.
+    """
+    names = ("source", "sampler", "batch_sampler", "batch_sampler.sampler", "dataset")
+    marks = []
+    for name, target in zip(names, set_epoch_targets(source), strict=True):
+        epoch = getattr(target, "epoch", None) if target is not None else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            marks.append((name, epoch))
+    return tuple(marks)
+
+
+def readable_epoch(source: object) -> int | None:
+    """The epoch the source's sampler (or dataset) says it is in, when it says one."""
+    for _, epoch in epoch_marks(source):
+        return epoch
+    return None
+
+
+def has_unreadable_set_epoch(source: object) -> bool:
+    """True when ``set_epoch`` reaches an object that keeps no readable ``epoch`` attribute."""
+    return not epoch_marks(source) and any(
+        callable(getattr(t, "set_epoch", None)) for t in set_epoch_targets(source)
+    )
 
 
 def describe_order(source: object) -> dict[str, Any]:
@@ -116,8 +147,11 @@ def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
     persistent workers keeps one iterator, and its draws, across epochs: a copy would make its
     next epoch draw differently, so it is pulled too.)
     """
+    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
+    # but iterate a loader of their own, which a copy's sampler would not reach.
     if (
         isinstance(source, DataLoader)
+        and issubclass(type(source), DataLoader)
         and not isinstance(source.dataset, IterableDataset)
         and not _persistent(source)
     ):
@@ -129,8 +163,13 @@ def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
             object.__setattr__(clone, "sampler", _SkipFirst(source.sampler, count))
         return iter(clone)
     it = iter(source)
-    for _ in itertools.islice(it, count):
-        pass
+    for _ in range(count):
+        try:
+            next(it)
+        except StopIteration:
+            break
+        except Exception:
+            continue  # a batch that raised was handed out as its error: skip it as well
     return it
 
 
@@ -149,35 +188,56 @@ class EpochSource:
         * ``captures[e]`` holds what epoch e's order was drawn from, once e is open.
     """
 
-    def __init__(self, source: Iterable[Any], across_epochs: bool) -> None:
+    def __init__(
+        self, source: Iterable[Any], across_epochs: bool, mirror: ShardMirror | None = None
+    ) -> None:
         self.source = source
         self.across_epochs = across_epochs
-        self.stateful = callable(getattr(source, "state_dict", None)) and callable(
-            getattr(source, "load_state_dict", None)
-        )
+        #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
+        self.mirror = mirror
+        if mirror is not None:
+            self.stateful = mirror.stateful
+        else:
+            self.stateful = callable(getattr(source, "state_dict", None)) and callable(
+                getattr(source, "load_state_dict", None)
+            )
         self.resume: dict[str, Any] | None = None
         self.captures: dict[int, dict[str, Any]] = {}
 
-    def open(self, epoch: int) -> tuple[Iterator[Any], int]:
+    @property
+    def iterable(self) -> Iterable[Any]:
+        """What is iterated for each epoch: the source, or its accelerate shadow."""
+        return self.source if self.mirror is None else self.mirror.shadow
+
+    def marks(self) -> tuple[tuple[str, int], ...]:
+        """See :func:`epoch_marks`."""
+        return epoch_marks(self.source)
+
+    def after_pull(self, end: bool) -> Any:
+        """What the consumer must replay when this pull is handed out (accelerate), or None."""
+        return None if self.mirror is None else self.mirror.after_pull(end)
+
+    def open(self, epoch: int, forward: bool | None = None) -> tuple[Iterator[Any], int]:
         """Create the source's iterator for ``epoch``; return it and the batches it skipped.
 
         A loaded state for this epoch is resumed: the source restores its own state, or the
         order is drawn again from the recorded random state and the batches already handed
-        out are skipped.
+        out are skipped. ``forward``: call the source's ``set_epoch(epoch)`` first (default:
+        across epochs, where nostall counts the epochs itself).
         """
         resume, self.resume = self.resume, None
         if resume is not None and resume["epoch"] != epoch:
             resume = None
-        if self.across_epochs:
+        if self.across_epochs if forward is None else forward:
             forward_set_epoch(self.source, epoch)
         skipped = 0 if resume is None else resume["batches_yielded"]
         if self.stateful:
             if resume is not None and resume["source_state"] is not None:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
-            return iter(self.source), skipped
+            return iter(self.iterable), skipped
         if resume is None:
             self.captures = {epoch: self._capture()}  # older epochs are no longer needed
-            return iter(self.source), 0
+            return iter(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
             forward_set_epoch(self.source, replay["sampler_epoch"])
@@ -200,7 +260,7 @@ class EpochSource:
                 for _ in itertools.islice(it, skipped):
                     pass
             else:
-                it = skip_ahead(self.source, skipped)
+                it = skip_ahead(self.iterable, skipped)
             # Pull the first batch now: a sampler may draw its order lazily at its first item,
             # and that draw must see the restored state too.
             first = list(itertools.islice(it, 1))
@@ -215,20 +275,27 @@ class EpochSource:
     def batch_state(self, epoch: int) -> Any:
         """What a state saved right after this batch needs (called where the batch was pulled)."""
         if self.stateful:
-            return self.source.state_dict()  # type: ignore[attr-defined]
+            return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self.captures.get(epoch)
 
     def end_state(self) -> Any:
         """What a state saved at the end of an epoch needs, to draw the next epoch's order."""
         if self.stateful:
-            return self.source.state_dict()  # type: ignore[attr-defined]
+            return self.iterable.state_dict()  # type: ignore[attr-defined]
         return {"rng": capture_rng(self.source), "sampler_epoch": None, "fresh_iterator": False}
 
-    def start_state(self) -> dict[str, Any]:
-        """What a state saved before an epoch's first batch needs (a replayed source)."""
+    def start_state(self) -> Any:
+        """What a state saved before an epoch's first batch needs.
+
+        A stateful source is asked for its state (nothing was pulled from it, so it is where
+        the user is). Otherwise the random state, and the sampler's epoch as ``set_epoch`` left
+        it, so that a resumed run draws the order of the epoch that was set.
+        """
+        if self.stateful:
+            return self.iterable.state_dict()  # type: ignore[attr-defined]
         return {
             "rng": capture_rng(self.source),
-            "sampler_epoch": None,
+            "sampler_epoch": _sampler_epoch(self.source),
             "fresh_iterator": getattr(self.source, "_iterator", None) is None,
         }
 
@@ -263,15 +330,29 @@ def build_state(
 
 
 def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
-    """Validate a loaded state against the source; return it, or raise ``ValueError``."""
+    """Validate a loaded state against the source; return it, or raise ``ValueError``.
+
+    Every field is checked here, at load time, so that a damaged or foreign state is refused
+    with the field's name instead of failing later inside ``next()``.
+    """
     if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
         raise ValueError(
             f"not a nostall Prefetcher state (expected a dict from Prefetcher.state_dict() with "
             f"'nostall': {STATE_VERSION}; got a {type(state).__name__})"
         )
-    for key, kind in (("epoch", int), ("batches_yielded", int)):
-        if not isinstance(state.get(key), kind) or state[key] < 0:
-            raise ValueError(f"state[{key!r}] must be an int >= 0 (got {state.get(key)!r})")
+    for key in ("epoch", "batches_yielded"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"state[{key!r}] must be an int >= 0 (got {value!r} that is a "
+                f"{type(value).__name__}); pass a state from Prefetcher.state_dict()"
+            )
+    length = _length(epochs.source)
+    if length is not None and state["batches_yielded"] > length:
+        raise ValueError(
+            f"state['batches_yielded'] is {state['batches_yielded']}, past the end of an epoch "
+            f"of {length} batches; pass a state saved from an identically built loader"
+        )
     if epochs.stateful:
         if state.get("source_state") is None and state["batches_yielded"] > 0:
             raise ValueError(
@@ -297,4 +378,42 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"the state was saved for samplers {replay.get('samplers')}, this source has "
             f"{here['samplers']}; resume with an identically built loader"
         )
+    _check_replay(replay)
     return state
+
+
+def _check_replay(replay: dict[str, Any]) -> None:
+    sampler_epoch = replay.get("sampler_epoch")
+    if sampler_epoch is not None and (
+        isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int) or sampler_epoch < 0
+    ):
+        raise ValueError(
+            f"state['replay']['sampler_epoch'] must be None or an int >= 0 (got "
+            f"{sampler_epoch!r}); pass a state from Prefetcher.state_dict()"
+        )
+    if not isinstance(replay.get("fresh_iterator"), bool):
+        raise ValueError(
+            f"state['replay']['fresh_iterator'] must be True or False (got "
+            f"{replay.get('fresh_iterator')!r}); pass a state from Prefetcher.state_dict()"
+        )
+    rng = replay.get("rng")
+    if not isinstance(rng, dict) or "torch" not in rng:
+        raise ValueError(
+            "state['replay']['rng'] must be a dict of generator states with a 'torch' entry; "
+            "pass a state from Prefetcher.state_dict()"
+        )
+    for name, value in rng.items():
+        try:
+            torch.Generator().set_state(value)  # the same check a real restore would make
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(
+                f"state['replay']['rng'][{name!r}] is not a CPU generator state ({e}); the "
+                f"checkpoint is damaged or not from Prefetcher.state_dict()"
+            ) from e
+
+
+def _length(source: object) -> int | None:
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except TypeError:
+        return None

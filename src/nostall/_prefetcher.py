@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
-from ._channel import BATCH, END, POLL_S, Channel, add_note, join_quietly, produce
+from . import _channel
+from ._accelerate import ShardMirror, accelerate_is_active, is_prepared_shard, prepared_loader_types
+from ._channel import BATCH, END, ERROR, POLL_S, Channel, Message, add_note, join_quietly, produce
 from ._device import DeviceLike, resolve_device
-from ._epochs import EpochSource, build_state, check_state, describe_order
+from ._epochs import (
+    EpochSource,
+    build_state,
+    check_state,
+    describe_order,
+    has_unreadable_set_epoch,
+    readable_epoch,
+)
 from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import NostallError, PrefetcherClosedError, PrefetchTimeoutError
 from ._profile import StallRecorder, StallReport
+from ._sharding import (
+    check_shardable,
+    distributed_world,
+    is_sharded,
+    shard_loader,
+    unsharded_warning,
+)
 from ._transfer import CudaStaging, Staging
 from ._tree import iter_tensors
 
@@ -40,6 +57,7 @@ def prefetch(
     across_epochs: bool = False,
     profile: bool = False,
     transform: Callable[[Any], Any] | None = None,
+    shard: bool | None = None,
 ) -> Prefetcher[T]:
     """Wrap ``source`` so that its next batches are loaded and moved to ``device`` meanwhile.
 
@@ -60,6 +78,10 @@ def prefetch(
         profile: record how long each ``next()`` waits; read it with ``report()``.
         transform: applied to each batch after it reached the device (on CUDA on the copy
             stream, before the consumer's stream waits), e.g. ``nostall.transforms.Normalize``.
+        shard: in a ``torch.distributed`` run of several ranks, give each rank its own part of
+            a DataLoader whose sampler is not distributed, with a ``DistributedSampler`` built
+            as Lightning builds the one it injects (``True``); never split, never warn
+            (``False``); or warn that every rank loads all the data (``None``, the default).
     """
     return Prefetcher(
         source,
@@ -70,7 +92,12 @@ def prefetch(
         across_epochs=across_epochs,
         profile=profile,
         transform=transform,
+        shard=shard,
     )
+
+
+#: The prefetcher's own public attributes; any other name the source has is set on the source.
+_OWN_ATTRIBUTES = frozenset({"device", "depth", "timeout", "across_epochs", "pin_memory"})
 
 
 class Prefetcher(Generic[T]):
@@ -120,20 +147,26 @@ class Prefetcher(Generic[T]):
         across_epochs: bool = False,
         profile: bool = False,
         transform: Callable[[Any], Any] | None = None,
+        shard: bool | None = None,
     ) -> None:
         _check_iterable(source)
         _check_depth(depth)
         _check_timeout(timeout)
-        for name, flag in (
+        flags: tuple[tuple[str, object], ...] = (
             ("pin_memory", pin_memory),
             ("across_epochs", across_epochs),
             ("profile", profile),
-        ):
+            ("shard", shard),
+        )
+        for name, flag in flags:
             if flag is not None and not isinstance(flag, bool):
+                none = " or None" if name in ("pin_memory", "shard") else ""
                 raise ValueError(
-                    f"{name} must be True, False{' or None' if name == 'pin_memory' else ''} "
-                    f"(got {flag!r} that is a {type(flag).__name__})"
+                    f"{name} must be True, False{none} (got {flag!r} that is a "
+                    f"{type(flag).__name__})"
                 )
+        if shard:
+            check_shardable(source)
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"transform must be callable, e.g. nostall.transforms.Normalize(...) (got "
@@ -141,6 +174,11 @@ class Prefetcher(Generic[T]):
             )
         self._source = source
         self.device = resolve_device(device)
+        if self.device.type == "meta":
+            raise ValueError(
+                "device='meta' holds no data, so batches cannot be moved there; pass "
+                "device='cuda', 'cpu' or None"
+            )
         self.depth = depth
         self.timeout = timeout
         self.across_epochs = across_epochs
@@ -150,7 +188,18 @@ class Prefetcher(Generic[T]):
         else:
             self.pin_memory = False  # pinned memory only speeds up copies to a GPU
             self._staging = Staging(self.device, transform)
-        self._lineage = _Lineage(isinstance(source, Iterator), EpochSource(source, across_epochs))
+        mirror = ShardMirror(source) if is_prepared_shard(source) else None
+        if mirror is not None and across_epochs and distributed_world() is not None:
+            raise ValueError(
+                "across_epochs=True over an accelerate-prepared loader in a distributed run: "
+                "opening its next epoch synchronises random states across ranks (a collective "
+                "call), which must not run in nostall's background thread; pass "
+                "across_epochs=False"
+            )
+        self._shard = shard
+        self._lineage = _Lineage(
+            isinstance(source, Iterator), EpochSource(source, across_epochs, mirror)
+        )
         self._lineage.transform_state = self._staging.transform_state()
         self._recorder = StallRecorder(self.device) if profile else None
         self._closed = False
@@ -166,11 +215,40 @@ class Prefetcher(Generic[T]):
                 UserWarning,
                 stacklevel=2,
             )
+        if across_epochs and has_unreadable_set_epoch(source):
+            warnings.warn(
+                f"nostall: across_epochs=True, and set_epoch reaches an object of "
+                f"{_describe(source)} that keeps no readable 'epoch' attribute, so nostall "
+                f"cannot notice set_epoch calls made on it directly (as Lightning makes on "
+                f"loader.sampler). Call set_epoch on the prefetcher, or give that object an "
+                f"'epoch' attribute that its set_epoch sets",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @property
     def source(self) -> Iterable[T]:
-        """The wrapped iterable."""
+        """The wrapped iterable (with ``shard=True`` in a distributed run: its sharded copy)."""
+        self._resolve_shard()
         return self._source
+
+    def _resolve_shard(self) -> None:
+        """With ``shard=True``, switch to a sharded copy once ``torch.distributed`` is up.
+
+        Lazy, because frameworks initialise the process group after the prefetcher is built
+        (Lightning in ``Trainer.fit``); done at most once, and never after an epoch opened.
+        """
+        if not self.__dict__.get("_shard"):
+            return
+        world = distributed_world()
+        if world is None or is_sharded(self._source):
+            return
+        lineage = self._lineage
+        if lineage.thread is not None:
+            return  # an epoch already ran unsharded; switching now would mix the two
+        sharded = shard_loader(self._source, *world)  # type: ignore[arg-type]
+        object.__setattr__(self, "_source", sharded)
+        lineage.epochs.source = sharded
 
     @property
     def closed(self) -> bool:
@@ -189,15 +267,19 @@ class Prefetcher(Generic[T]):
                 "this Prefetcher was closed; create a new one with nostall.prefetch(source) to "
                 "iterate again"
             )
+        _check_not_forked(self._lineage)
+        self._resolve_shard()
         lineage = self._lineage
         previous = lineage.active_iteration()
         if previous is not None:
+            previous._finish_if_complete()
             previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
         iteration: PrefetchIterator[T] = PrefetchIterator(self)
         lineage.active = weakref.ref(iteration)
         return iteration
 
     def __len__(self) -> int:
+        self._resolve_shard()
         return len(self._source)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
@@ -205,11 +287,29 @@ class Prefetcher(Generic[T]):
         # drop-in replacement for a DataLoader must (dataset, sampler, batch_size, ...).
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        try:
-            source = self.__dict__["_source"]
-        except KeyError:
-            raise AttributeError(name) from None
-        return getattr(source, name)
+        if "_source" not in self.__dict__:
+            raise AttributeError(name)
+        self._resolve_shard()
+        return getattr(self.__dict__["_source"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A loader attribute set on the prefetcher must not shadow the loader's own value while
+        # batches keep coming from the loader: it is set on the loader (which may refuse, as a
+        # DataLoader refuses batch_size), and an epoch opened ahead with the old value is
+        # dropped. The prefetcher's own attributes, and new names, stay on the prefetcher.
+        source = self.__dict__.get("_source")
+        if (
+            source is None
+            or name.startswith("_")
+            or name in _OWN_ATTRIBUTES
+            or name in self.__dict__
+            or hasattr(type(self), name)
+            or not hasattr(source, name)
+        ):
+            object.__setattr__(self, name, value)
+            return
+        setattr(source, name, value)
+        self._lineage.discard_ahead()
 
     def report(self, all_ranks: bool = False) -> StallReport:
         """How long the loop waited for batches so far (needs ``profile=True``).
@@ -250,7 +350,9 @@ class Prefetcher(Generic[T]):
             )
             lineage.epochs.resume = lineage.loaded = None
         lineage.epoch = epoch
+        self._resolve_shard()
         _forward_set_epoch(self._source, epoch)
+        lineage.marks = lineage.epochs.marks()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the user is: the epoch and the batches of it already handed out.
@@ -265,7 +367,7 @@ class Prefetcher(Generic[T]):
         if lineage.position is None:
             # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
             epoch, yielded = lineage.epoch, 0
-            saved = None if epochs.stateful else epochs.start_state()
+            saved = epochs.start_state()
         else:
             epoch, yielded, saved = lineage.position
         if epochs.stateful:
@@ -286,7 +388,10 @@ class Prefetcher(Generic[T]):
         if self._closed:
             raise PrefetcherClosedError("this Prefetcher was closed; it cannot load a state")
         lineage = self._lineage
+        self._resolve_shard()
         checked = check_state(state, lineage.epochs)
+        if lineage.epochs.stateful:
+            _warn_inexact_stateful_resume(self._source)
         transform_state = checked.get("transform")
         transform = self._staging.transform
         if transform_state is not None and transform is not None:
@@ -307,6 +412,7 @@ class Prefetcher(Generic[T]):
         lineage.epochs.resume = checked
         lineage.loaded = checked
         lineage.position = None
+        lineage.marks = lineage.epochs.marks()
         if transform_state is not None and transform is not None:
             lineage.pending_transform_state = transform_state
             lineage.transform_state = transform_state
@@ -376,6 +482,13 @@ class _Lineage:
         #: A transform state loaded, to set when the next producer starts (not before: the
         #: previous producer may still be transforming a batch).
         self.pending_transform_state: Any = None
+        #: The sampler's epoch marks (``EpochSource.marks``) as nostall last left or saw them;
+        #: marks that differ at the next epoch's start were set by someone else.
+        self.marks = epochs.marks()
+        #: ``_channel.fork_generation`` when this was built: producers do not survive fork().
+        self.fork_generation = _channel.fork_generation
+        #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
+        self.checked_world = False
 
     def active_iteration(self) -> PrefetchIterator[Any] | None:
         return self.active() if self.active is not None else None
@@ -415,12 +528,16 @@ class PrefetchIterator(Iterator[T]):
         self._device = owner.device
         self._timeout = owner.timeout
         self._lineage = owner._lineage
+        self._shard = owner._shard
         self._recorder = owner._recorder
         self._last_depth = 1 if owner.depth == "auto" else int(owner.depth)
         self._state = _CREATED
         self._stopped_why = ""
         self._channel: Channel | None = None
         self._index = 0  # batches of this epoch handed out so far
+        #: This thread's intra-op thread count, to give back to the process once the producer
+        #: has set its own (torch keeps the last count set, in any thread, for new threads).
+        self._threads: int | None = None
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
@@ -450,16 +567,34 @@ class PrefetchIterator(Iterator[T]):
                 )
             else:
                 raise StopIteration
+        elif self._lineage.fork_generation != _channel.fork_generation:
+            _check_not_forked(self._lineage)
         try:
-            kind, payload, epoch, state = channel.get(self._index, self._timeout)
+            message = channel.get(self._index, self._timeout)
         except KeyboardInterrupt:
             self._stop("interrupted by KeyboardInterrupt")
             raise
+        return self._take(channel, message)
+
+    def _take(self, channel: Channel, message: Message) -> T:
+        """Hand out one message taken from ``channel``: a batch, an error, or the epoch's end."""
+        kind, payload, epoch, state, hook = message
         lineage = self._lineage
-        if kind is BATCH:
+        if self._threads is not None and channel.threads_set.is_set():
+            torch.set_num_threads(self._threads)
+            self._threads = None
+        mirror = lineage.epochs.mirror
+        if kind is BATCH or kind is ERROR:
             self._index += 1
             lineage.position = (epoch, self._index, state)
             lineage.loaded = None
+            if self._index == channel.expected:
+                channel.may_open.set()  # the epoch's last batch: the next may be opened
+            if kind is ERROR:
+                # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
+                raise payload
+            if mirror is not None:
+                mirror.hand_out(hook, end=False)
             if payload.transform_state is not None:
                 lineage.transform_state = payload.transform_state
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
@@ -467,9 +602,13 @@ class PrefetchIterator(Iterator[T]):
         self._channel = None
         self._state = _DONE
         if kind is END:
+            channel.may_open.set()
+            if mirror is not None:
+                mirror.hand_out(hook, end=True)
             lineage.position = (epoch + 1, 0, state)
             lineage.loaded = None
             lineage.epoch = epoch + 1
+            lineage.marks = channel.end_marks
             if lineage.one_shot:
                 lineage.exhausted = True
             if lineage.epochs.across_epochs and not channel.finished:
@@ -478,6 +617,25 @@ class PrefetchIterator(Iterator[T]):
                     lineage.discard_ahead()
             raise StopIteration
         raise payload
+
+    def _finish_if_complete(self) -> None:
+        """Take the end of an epoch whose last batch (by ``len``) the consumer already has.
+
+        Frameworks such as Lightning take ``len(loader)`` batches and start the next epoch
+        without asking for the ``StopIteration``; the epoch is complete all the same, and
+        counting it so keeps the epoch number, the resume state and ``across_epochs`` right.
+        Anything but the end (the source yields more than its ``len``) is left to ``_stop``.
+        """
+        channel = self._channel
+        if self._state is not _RUNNING or channel is None or self._index != channel.expected:
+            return
+        try:
+            message = channel.get(self._index, self._timeout)
+        except Exception:
+            return  # nothing to finish: the stop that follows ends it as before
+        if message[0] is END:
+            with contextlib.suppress(StopIteration):
+                self._take(channel, message)
 
     @property
     def depth(self) -> int:
@@ -492,13 +650,20 @@ class PrefetchIterator(Iterator[T]):
 
     def _start(self) -> Channel:
         lineage = self._lineage
+        if not lineage.checked_world:
+            lineage.checked_world = True
+            _warn_if_hidden_from_framework(self._source, self._shard)
         ahead, lineage.ahead = lineage.ahead, None
         if ahead is not None and not ahead.stop.is_set():
-            self._state, self._channel, self._index = _RUNNING, ahead, 0
-            return ahead  # across epochs: this epoch is already being fetched
+            if _opened_with_current_epoch(ahead, lineage):
+                self._state, self._channel, self._index = _RUNNING, ahead, 0
+                ahead.expected = _length(self._source)
+                return ahead  # across epochs: this epoch is already being fetched
+            ahead.stop.set()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
+        forward = self._follow_outside_set_epoch()
         if lineage.pending_transform_state is not None:
             self._staging.transform.load_state_dict(  # type: ignore[union-attr]
                 lineage.pending_transform_state
@@ -531,15 +696,21 @@ class PrefetchIterator(Iterator[T]):
                 stacklevel=3,
             )
             channel.slots.acquire()
-            channel.put((END, 0, lineage.epoch, None))
+            channel.put((END, 0, lineage.epoch, None, None))
             return channel
+        if epochs.mirror is not None:
+            epochs.mirror.sync_epoch()
         try:
-            channel.batches, channel.pulled = epochs.open(lineage.epoch)
+            channel.batches, channel.pulled = epochs.open(lineage.epoch, forward=forward)
         except BaseException as e:
             self._channel, self._state = None, _DONE
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
         self._index = channel.pulled  # a resumed epoch starts after the batches already seen
+        channel.expected = _length(self._source)
+        # Start this thread's intra-op pool now, with its own count: the producer sets one
+        # thread for itself, and a pool started after that would read its count (1).
+        self._threads = torch.get_num_threads()
         thread = threading.Thread(
             target=produce,
             args=(channel,),
@@ -551,6 +722,35 @@ class PrefetchIterator(Iterator[T]):
         lineage.channel = channel if lineage.one_shot else None
         thread.start()
         return channel
+
+    def _follow_outside_set_epoch(self) -> bool:
+        """Before a fresh epoch opens: adopt an epoch set on the sampler by someone else.
+
+        Returns whether nostall should call ``set_epoch`` itself (across epochs, when nobody
+        else did): an outside ``set_epoch`` (Lightning calls it on ``loader.sampler``) wins,
+        and the prefetcher's epoch count follows it where the sampler shows its epoch.
+        """
+        lineage = self._lineage
+        epochs = lineage.epochs
+        now = epochs.marks()
+        if now == lineage.marks:
+            return epochs.across_epochs
+        lineage.marks = now
+        outside = readable_epoch(self._source)
+        if outside is not None and outside != lineage.epoch:
+            resume = epochs.resume
+            if resume is not None and resume["epoch"] != outside:
+                warnings.warn(
+                    f"nostall: the sampler was set to epoch {outside} after load_state_dict() "
+                    f"of a state for epoch {resume['epoch']}: the loaded state is dropped",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                epochs.resume = lineage.loaded = None
+            lineage.epoch = outside
+            if lineage.position is not None and lineage.position[0] != outside:
+                lineage.position = None
+        return False
 
     def _wait_for_previous_producer(self) -> None:
         previous = self._lineage.thread
@@ -605,6 +805,87 @@ def _describe(source: object) -> str:
     return type(source).__qualname__
 
 
+def _length(source: object) -> int | None:
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _opened_with_current_epoch(ahead: Channel, lineage: _Lineage) -> bool:
+    """Whether the epoch a producer opened ahead still matches the sampler's epoch.
+
+    Between the end of one epoch and the start of the next, a framework may call ``set_epoch``
+    on the sampler itself. The producer read the sampler's marks when it drew the next order
+    (or, if it has not opened it yet, the marks at the end of the last epoch): any difference
+    means that order is stale.
+    """
+    with ahead.pull_lock:  # not while the producer is inside the source
+        current = lineage.epochs.marks()
+        expected = ahead.marks.get(lineage.epoch, ahead.end_marks)
+        if current != expected:
+            return False
+        lineage.marks = current
+        return True
+
+
+def _check_not_forked(lineage: _Lineage) -> None:
+    if lineage.fork_generation != _channel.fork_generation and lineage.thread is not None:
+        raise PrefetcherClosedError(
+            "this Prefetcher was started in the parent of this process, and its producer "
+            "thread did not survive fork(): create the prefetcher (or call nostall.prefetch "
+            "again) in the process that iterates it, or use the 'spawn' start method"
+        )
+
+
+def _warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
+    """At the first epoch: warn where a framework cannot see the loader behind the prefetcher."""
+    if shard is None:
+        world = distributed_world()
+        if world is not None and issubclass(type(source), DataLoader) and not is_sharded(source):
+            warnings.warn(unsharded_warning(source, *world), UserWarning, stacklevel=5)
+    if (
+        accelerate_is_active()
+        and issubclass(type(source), DataLoader)
+        and not isinstance(source, prepared_loader_types())
+    ):
+        warnings.warn(
+            "nostall: an accelerate Accelerator is active, but the DataLoader given to "
+            "nostall.prefetch was not prepared by it, so accelerate neither shards it nor "
+            "places its batches (accelerator.prepare() of a prefetcher sees no DataLoader). "
+            "Call loader = accelerator.prepare(loader) first, then nostall.prefetch(loader)",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def _warn_inexact_stateful_resume(source: object) -> None:
+    """Say where a source's own ``state_dict`` cannot resume exactly (torchdata's loader)."""
+    generator = getattr(source, "generator", None)
+    if isinstance(generator, torch.Generator):
+        warnings.warn(
+            "nostall: this loader resumes through its own state_dict(), which does not hold "
+            "the state of its generator=: the rest of this epoch resumes exactly, but the "
+            "following epochs draw other orders than an uninterrupted run. Save "
+            "loader.generator.get_state() at each epoch's start with your checkpoint and "
+            "restore it before the next epoch, or use a plain DataLoader (nostall then "
+            "replays its generator)",
+            UserWarning,
+            stacklevel=3,
+        )
+    dataset = getattr(source, "dataset", None)
+    if isinstance(dataset, IterableDataset) and not callable(getattr(dataset, "state_dict", None)):
+        warnings.warn(
+            f"nostall: this loader resumes its {type(dataset).__qualname__} (an "
+            f"IterableDataset without state_dict) by iterating it again and skipping what was "
+            f"seen, which is exact only if the dataset yields the same order again; one that "
+            f"shuffles from the global random state does not. Give the dataset "
+            f"state_dict()/load_state_dict()",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _restarts_workers(source: object) -> bool:
     return (
         isinstance(source, DataLoader) and source.num_workers > 0 and not source.persistent_workers
@@ -613,6 +894,19 @@ def _restarts_workers(source: object) -> bool:
 
 def _check_iterable(source: object) -> None:
     cls = type(source)
+    if isinstance(source, (str, bytes, bytearray, Mapping, torch.Tensor)):
+        what = {
+            str: "its characters",
+            bytes: "its bytes",
+            bytearray: "its bytes",
+            torch.Tensor: "its rows",
+        }
+        kind = next((v for k, v in what.items() if isinstance(source, k)), "its keys")
+        raise TypeError(
+            f"nostall.prefetch() needs an iterable of batches such as a DataLoader (got a "
+            f"{cls.__qualname__}, whose iteration yields {kind}); pass a DataLoader over your "
+            f"data, or a list of batches (e.g. list(tensor.split(batch_size)))"
+        )
     if callable(getattr(cls, "__iter__", None)) or callable(getattr(cls, "__getitem__", None)):
         return
     raise TypeError(
