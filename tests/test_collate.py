@@ -120,3 +120,16 @@ def test_cuda_channels_last_batches_cross_as_they_are() -> None:
         assert labels.is_cuda
         assert got.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(expected, got.cpu())
+
+
+def test_read_only_arrays_are_stacked_without_a_warning() -> None:
+    """``np.asarray(pil_image)`` is read-only: stacking it must not warn (warnings are errors)."""
+    images = []
+    for i in range(3):
+        a = np.full((4, 5, 3), i, dtype=np.uint8)
+        a.setflags(write=False)
+        images.append(a)
+    batch = nostall.collate_uint8([(img, i) for i, img in enumerate(images)])
+    assert (3, 3, 4, 5) == tuple(batch[0].shape)
+    assert [0, 1, 2] == batch[0][:, 0, 0, 0].tolist()
+    assert torch.equal(torch.tensor([0, 1, 2]), batch[1])

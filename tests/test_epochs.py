@@ -497,3 +497,202 @@ def test_set_epoch_to_another_epoch_drops_a_loaded_state() -> None:
     with pytest.warns(UserWarning, match="the loaded state is dropped"):
         q.set_epoch(4)
     assert list(range(48)) == epoch_lists(q)
+
+
+# -- epochs set from outside (Lightning's pattern) ---------------------------------------------
+
+
+def set_epoch_on(p: Any, loader: DataLoader[int], where: str, epoch: int) -> None:
+    """Set the epoch as a user or a framework would: on the prefetcher or on a sampler."""
+    if where == "prefetcher":
+        p.set_epoch(epoch)
+    elif where == "loader.sampler":
+        p.sampler.set_epoch(epoch)  # read through to the loader's sampler, as Lightning does
+    else:
+        p.batch_sampler.sampler.set_epoch(epoch)
+    assert loader.sampler is p.sampler
+
+
+def take(p: Any, how: str) -> list[int]:
+    """One epoch: to StopIteration, or exactly len() batches (Lightning's training loop)."""
+    if how == "to StopIteration":
+        return epoch_lists(p)
+    it = iter(p)
+    return epoch_lists([next(it) for _ in range(len(p))])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("how", ["to StopIteration", "len() batches"])
+@pytest.mark.parametrize("where", ["prefetcher", "loader.sampler", "batch_sampler.sampler"])
+def test_epoch_set_anywhere_gives_that_epochs_order(
+    where: str, how: str, across: bool, workers: int
+) -> None:
+    """Every epoch has the order its sampler gives for the epoch set, wherever it was set."""
+    make = lambda: distributed_loader(workers, persistent_workers=bool(workers))  # noqa: E731
+    reference = reference_orders(make, 4)
+    loader = make()
+    p = nostall.prefetch(loader, "cpu", across_epochs=across)
+    got = []
+    for e in range(4):
+        set_epoch_on(p, loader, where, e)
+        got.append(take(p, how))
+    assert reference == got
+    # Taking len() batches leaves the last epoch's end untaken until the next iter().
+    assert (4 if how == "to StopIteration" else 3) == p.epoch
+    p.close()
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_epoch_set_on_the_sampler_is_followed_by_the_epoch_count(across: bool) -> None:
+    """An epoch set on the sampler directly becomes the prefetcher's epoch (and its state's)."""
+    loader = distributed_loader()
+    p = nostall.prefetch(loader, "cpu", across_epochs=across)
+    epoch_lists(p)
+    loader.sampler.set_epoch(7)  # type: ignore[attr-defined]
+    it = iter(p)
+    next(it)
+    assert 7 == p.epoch
+    assert 7 == p.state_dict()["epoch"]
+    p.close()
+
+
+def test_epoch_changed_on_the_sampler_after_the_next_was_opened_ahead() -> None:
+    """Opened ahead with nostall's count, then set elsewhere: the stale order is dropped."""
+    reference = reference_orders(distributed_loader, 6)
+    loader = distributed_loader()
+    p = nostall.prefetch(loader, "cpu", depth=4, across_epochs=True)
+    assert reference[0] == epoch_lists(p)  # the producer now runs into epoch 1
+    loader.sampler.set_epoch(5)  # type: ignore[attr-defined]
+    assert reference[5] == epoch_lists(p)
+    assert 6 == p.epoch
+    p.close()
+
+
+def test_stopping_early_does_not_leave_the_next_epoch_drawn() -> None:
+    """Leaving an epoch before its last batch never starts the next one with nostall's count."""
+    reference = reference_orders(distributed_loader, 3)
+    loader = distributed_loader()
+    n = len(loader)
+    p = nostall.prefetch(loader, "cpu", depth=4, across_epochs=True)
+    it = iter(p)
+    first = [next(it) for _ in range(n - 2)]  # the producer has the rest of epoch 0 by now
+    assert reference[0][: 3 * (n - 2)] == epoch_lists(first)
+    assert wait_until(lambda: p.sampler.epoch == 0 and loader.sampler is p.sampler)
+    loader.sampler.set_epoch(1)  # type: ignore[attr-defined]  # as Lightning would
+    assert reference[1] == epoch_lists(p)
+    p.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_warns_when_set_epoch_target_shows_no_epoch() -> None:
+    """across_epochs cannot see outside set_epoch calls on a sampler without ``epoch``."""
+
+    class Hidden(Sampler[int]):
+        def __init__(self) -> None:
+            self._e = 0
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(4))
+
+        def __len__(self) -> int:
+            return 4
+
+        def set_epoch(self, epoch: int) -> None:
+            self._e = epoch
+
+    with pytest.warns(UserWarning, match="no readable 'epoch' attribute"):
+        p = nostall.prefetch(DataLoader(Indices(4), sampler=Hidden()), "cpu", across_epochs=True)
+    p.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_at_the_start_of_an_epoch_set_on_a_distributed_sampler(workers: int) -> None:
+    """A state saved after set_epoch(1), before any batch, resumes into epoch 1's order."""
+    make = lambda: distributed_loader(workers, persistent_workers=bool(workers))  # noqa: E731
+    reference = reference_orders(make, 2)
+    p = nostall.prefetch(make(), "cpu")
+    epoch_lists(p)
+    p.set_epoch(1)
+    state = roundtrip(p.state_dict())
+    p.close()
+    resumed = nostall.prefetch(make(), "cpu")
+    resumed.load_state_dict(state)
+    assert reference[1] == epoch_lists(resumed)
+    resumed.close()
+
+
+def test_stateful_dataloader_state_before_the_first_batch_is_its_own() -> None:
+    """Before any batch of an epoch, the state still holds the source's state_dict()."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(Indices(12), batch_size=3, shuffle=True)
+
+    torch.manual_seed(3)
+    p = nostall.prefetch(make(), "cpu")
+    epoch_lists(p)
+    p.set_epoch(1)
+    state = p.state_dict()
+    assert state["source_state"] is not None
+    expected = epoch_lists(p)  # what the uninterrupted run does next
+    p.close()
+    resumed = nostall.prefetch(make(), "cpu")
+    resumed.load_state_dict(roundtrip(state))
+    assert expected == epoch_lists(resumed)
+    resumed.close()
+
+
+def test_stateful_iterable_dataset_resume_warns() -> None:
+    """An IterableDataset without state_dict is resumed by re-reading it: nostall says so."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    p = nostall.prefetch(StatefulDataLoader(Stream(), batch_size=2), "cpu")
+    it = iter(p)
+    next(it)
+    state = p.state_dict()
+    p.close()
+    resumed = nostall.prefetch(StatefulDataLoader(Stream(), batch_size=2), "cpu")
+    with pytest.warns(UserWarning, match="exact only if the dataset yields the same order"):
+        resumed.load_state_dict(state)
+    resumed.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("batches_yielded", 99, "past the end of an epoch of 16 batches"),
+        ("epoch", 1.5, r"state\['epoch'\] must be an int"),
+        ("epoch", True, r"state\['epoch'\] must be an int"),
+        ("rng", torch.zeros(3, dtype=torch.uint8), r"\['rng'\]\['torch'\] is not a CPU generator"),
+        ("rng", "junk", r"state\['replay'\]\['rng'\] must be a dict"),
+        ("sampler_epoch", -2, "sampler_epoch"),
+        ("fresh_iterator", "no", "fresh_iterator"),
+    ],
+)
+def test_impossible_states_are_refused_at_load(field: str, value: Any, match: str) -> None:
+    """A damaged state fails in load_state_dict, naming the field, never later in next()."""
+    p = nostall.prefetch(seeded_loader(), "cpu")
+    it = iter(p)
+    next(it)
+    state = p.state_dict()
+    p.close()
+    if field in ("epoch", "batches_yielded"):
+        state[field] = value
+    elif field == "rng":
+        state["replay"]["rng"] = {"torch": value} if isinstance(value, torch.Tensor) else value
+    else:
+        state["replay"][field] = value
+    fresh = nostall.prefetch(seeded_loader(), "cpu")
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(state)
+    fresh.close()

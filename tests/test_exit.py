@@ -149,3 +149,80 @@ def test_ctrl_c_during_next() -> None:
     assert float(interrupted[0].split()[-1]) < 1.5  # the source's next() takes 2 s
     assert "interrupted by KeyboardInterrupt" in out
     assert "producer stopped" in out
+
+
+# -- the process the prefetcher lives in ------------------------------------------------------
+
+
+def test_intra_op_threads_of_the_training_thread_are_kept() -> None:
+    """The producer's one intra-op thread does not leak into the training thread."""
+    body = """
+        import os
+        if {prefetch}:
+            for batch in nostall.prefetch(DataLoader(range(8), batch_size=2), "cpu"):
+                pass
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start(); worker.join()
+        print(torch.get_num_threads(), seen[0])
+    """
+    plain = run_script(body.format(prefetch=False))
+    prefetched = run_script(body.format(prefetch=True))
+    assert 0 == prefetched.returncode, prefetched.stderr
+    assert plain.stdout.split() == prefetched.stdout.split()
+
+
+def test_iterating_after_fork_says_so() -> None:
+    """A prefetcher started before fork() fails in the child with a message about fork."""
+    done = run_script("""
+        import os
+        p = nostall.prefetch(DataLoader(range(8), batch_size=2), "cpu")
+        it = iter(p)
+        next(it)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                next(it)
+            except nostall.PrefetcherClosedError as e:
+                print("child:", "fork()" in str(e), "bug in nostall" not in str(e), flush=True)
+            try:
+                list(p)
+            except nostall.PrefetcherClosedError as e:
+                print("child iter:", "fork()" in str(e), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent:", next(it).tolist())
+    """)
+    assert 0 == done.returncode, done.stderr
+    assert "child: True True" in done.stdout
+    assert "child iter: True" in done.stdout
+    assert "parent: [2, 3]" in done.stdout  # the parent goes on
+
+
+def test_worker_killed_by_a_signal_arrives_with_a_note() -> None:
+    """PyTorch's error for a killed worker reaches the user, noted like every other error."""
+    done = run_script("""
+        import os, signal
+        import torch.utils.data._utils as data_utils
+        data_utils.MP_STATUS_CHECK_INTERVAL = 0.2
+
+        class Killer(torch.utils.data.Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                if i == 6:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.02)
+                return i
+
+        loader = DataLoader(Killer(), batch_size=2, num_workers=1)
+        try:
+            for batch in nostall.prefetch(loader, "cpu"):
+                pass
+        except RuntimeError as e:
+            print("error:", "killed by signal" in str(e))
+            print("noted:", any("nostall:" in n for n in getattr(e, "__notes__", [])))
+    """)
+    assert 0 == done.returncode, done.stderr
+    assert "error: True" in done.stdout, done.stdout + done.stderr
+    assert "noted: True" in done.stdout, done.stdout + done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 import weakref
@@ -136,8 +137,8 @@ def test_traceback_of_the_source_is_kept() -> None:
     assert "__iter__" in frames  # RaisingSource.__iter__, where the error happened
 
 
-def test_after_an_error_the_iteration_is_over() -> None:
-    """Like a generator: after the error, next() raises StopIteration."""
+def test_after_an_error_a_finished_generator_ends_the_epoch() -> None:
+    """A generator that raised is finished: the next next() raises StopIteration."""
     it = iter(nostall.prefetch(RaisingSource(1, KeyError("k"))))
     assert 0 == int(next(it))
     with pytest.raises(KeyError):
@@ -165,6 +166,93 @@ def test_loader_worker_error_is_reraised() -> None:
         for batch in nostall.prefetch(loader):
             seen.append(batch.tolist())
     assert [[0, 1], [2, 3]] == seen
+
+
+class FlakySamples(Dataset[int]):
+    """Samples whose index is in ``bad`` raise; a loop may catch that and go on."""
+
+    def __init__(self, n: int = 12, bad: tuple[int, ...] = (4, 9)) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.bad:
+            raise ValueError(f"sample {i} is corrupt")
+        return i
+
+
+def skip_bad_batches(batches: Any) -> list[Any]:
+    """A loop that logs and skips a batch that raises, as training code often does."""
+    seen: list[Any] = []
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return seen
+        except ValueError as e:  # from a worker, the message is inside PyTorch's wrapper text
+            seen.append(re.findall(r"sample \d+ is corrupt", str(e))[-1])
+            continue
+        seen.append(batch.tolist())
+
+
+@pytest.mark.usefixtures("fast_worker_shutdown")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_error_in_one_batch_does_not_end_the_epoch(workers: int) -> None:
+    """After a batch raises, the next next() gives the following batch, as a DataLoader does."""
+    loader = DataLoader(FlakySamples(), batch_size=2, num_workers=workers)
+    expected = skip_bad_batches(loader)
+    assert ["sample 4 is corrupt", [6, 7]] == expected[2:4]  # the premise: the loader goes on
+    p = nostall.prefetch(DataLoader(FlakySamples(), batch_size=2, num_workers=workers), "cpu")
+    assert expected == skip_bad_batches(p)
+    assert expected == skip_bad_batches(p)  # and the next epoch is whole too
+    p.close()
+
+
+def test_a_state_saved_after_a_failed_batch_resumes_after_it() -> None:
+    """The failed batch counts as handed out: resuming skips it, as the plain loop went on."""
+    loader = DataLoader(FlakySamples(), batch_size=2)
+    p = nostall.prefetch(loader, "cpu")
+    it = iter(p)
+    assert [0, 1] == next(it).tolist()
+    assert [2, 3] == next(it).tolist()
+    with pytest.raises(ValueError, match="sample 4"):
+        next(it)
+    state = p.state_dict()
+    assert 3 == state["batches_yielded"]
+    p.close()
+    resumed = nostall.prefetch(DataLoader(FlakySamples(), batch_size=2), "cpu")
+    resumed.load_state_dict(state)
+    assert [[6, 7], "sample 9 is corrupt", [10, 11]] == skip_bad_batches(resumed)
+    resumed.close()
+
+
+class NoNotes(Exception):
+    """An exception that refuses notes: attribute writes fail."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("read-only exception")
+
+    def add_note(self, note: str) -> None:
+        raise TypeError("no notes here")
+
+
+class BadNotes(Exception):
+    """An exception whose ``__notes__`` is not a list."""
+
+    def __init__(self) -> None:
+        super().__init__("bad notes")
+        self.__notes__ = ("a tuple",)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("error", [NoNotes("refuses notes"), BadNotes()])
+def test_user_exception_arrives_itself_even_when_it_refuses_notes(error: Exception) -> None:
+    """An exception that cannot take a note still reaches the user, never ProducerDiedError."""
+    with pytest.raises(type(error)) as info:
+        list(nostall.prefetch(RaisingSource(2, error), "cpu"))
+    assert info.value is error
 
 
 # -- row 6: errors before the first batch -------------------------------------------------------
@@ -446,6 +534,55 @@ def test_attributes_are_forwarded_to_the_source() -> None:
     assert p.drop_last is True
     with pytest.raises(AttributeError):
         p.no_such_attribute  # noqa: B018
+
+
+def test_setting_a_loader_attribute_is_refused_as_the_loader_refuses_it() -> None:
+    """``p.batch_size = 4`` raises the DataLoader's own error instead of shadowing it."""
+    loader = make_loader(7, 0)
+    p = nostall.prefetch(loader, "cpu")
+    with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+        p.batch_size = 4
+    assert 7 == p.batch_size
+    assert [7, 7, 7, 2] == [len(b["x"]) for b in p]
+
+
+def test_setting_a_loader_attribute_the_loader_allows_applies_it() -> None:
+    """An attribute the loader takes (its collate_fn) is set on the loader, where it acts."""
+    loader = DataLoader(list(range(6)), batch_size=3)
+    p = nostall.prefetch(loader, "cpu")
+    p.collate_fn = lambda samples: sum(samples)
+    assert loader.collate_fn is p.collate_fn
+    assert [3, 12] == list(p)
+
+
+def test_new_attributes_stay_on_the_prefetcher() -> None:
+    """A name the loader does not have is the prefetcher's own (user bookkeeping)."""
+    loader = make_loader(7, 0)
+    p = nostall.prefetch(loader, "cpu")
+    p.my_note = "kept"
+    assert "kept" == p.my_note
+    assert not hasattr(loader, "my_note")
+
+
+@pytest.mark.parametrize(
+    ("source", "kind"),
+    [
+        ({"a": torch.ones(1)}, "its keys"),
+        ("abc", "its characters"),
+        (b"abc", "its bytes"),
+        (torch.ones(3, 2), "its rows"),
+    ],
+)
+def test_sources_iterated_by_accident_are_refused(source: Any, kind: str) -> None:
+    """A dict, str, bytes or tensor is iterable, but not a source of batches."""
+    with pytest.raises(TypeError, match=kind):
+        nostall.prefetch(source)
+
+
+def test_meta_device_is_refused() -> None:
+    """Batches on the meta device hold no data."""
+    with pytest.raises(ValueError, match="device='meta' holds no data"):
+        nostall.prefetch([torch.ones(1)], "meta")
 
 
 def test_set_epoch_reaches_a_distributed_sampler() -> None:

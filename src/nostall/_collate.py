@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ def _as_chw(image: Any, where: str) -> torch.Tensor:
 
 
 def _stack(images: Sequence[Any]) -> torch.Tensor:
+    if _all_hwc_arrays(images):
+        return _stack_arrays(images)
     views = [_as_chw(image, f"image {i}") for i, image in enumerate(images)]
     shape = views[0].shape
     for i, view in enumerate(views):
@@ -73,6 +76,35 @@ def _stack(images: Sequence[Any]) -> torch.Tensor:
     out = _empty((len(views), *shape))
     torch.stack(views, out=out)
     return out
+
+
+def _all_hwc_arrays(images: Sequence[Any]) -> bool:
+    """NumPy uint8 images of one HWC (or HW) shape: PIL's ``np.asarray(image)``, OpenCV's."""
+    np = sys.modules.get("numpy")  # no NumPy imported: no arrays to stack
+    first = images[0]
+    if np is None or not (isinstance(first, np.ndarray) and str(first.dtype) == "uint8"):
+        return False
+    if not (first.ndim == 2 or (first.ndim == 3 and first.shape[-1] in _CHANNELS)):
+        return False
+    shape = first.shape
+    return all(
+        isinstance(a, np.ndarray) and str(a.dtype) == "uint8" and a.shape == shape for a in images
+    )
+
+
+def _stack_arrays(images: Sequence[Any]) -> torch.Tensor:
+    """Stack HWC arrays byte for byte with NumPy, into a channels-last (N, C, H, W) view.
+
+    Read-only arrays (``np.asarray`` of a PIL image is one) are only read here: no tensor is
+    made from them, so torch has nothing to warn about, and nothing is copied twice.
+    """
+    import numpy as np
+
+    first = images[0]
+    hwc = first.shape if first.ndim == 3 else (*first.shape, 1)
+    out = _empty((len(images), *hwc))
+    np.stack([a.reshape(hwc) for a in images], out=out.numpy())
+    return out.permute(0, 3, 1, 2)
 
 
 def _channels_last(view: torch.Tensor) -> bool:

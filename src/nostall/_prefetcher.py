@@ -339,7 +339,11 @@ class Prefetcher(Generic[T]):
         if lineage.ahead is not None and epoch == lineage.epoch:
             return  # the producer already started this epoch, with set_epoch(epoch)
         lineage.discard_ahead()
-        if lineage.position is not None and lineage.position[0] != epoch:
+        if lineage.position is not None and (
+            lineage.position[0] != epoch or lineage.position[1] == 0
+        ):
+            # Another epoch, or this one not begun: a state saved now must hold what this
+            # set_epoch did to the sampler, which only a fresh start state reads.
             lineage.position = None
         if lineage.epochs.resume is not None and lineage.epochs.resume["epoch"] != epoch:
             warnings.warn(
