@@ -104,7 +104,7 @@ class Stream(IterableDataset[int]):
 
 def test_shard_true_refuses_what_it_cannot_split() -> None:
     """Not a DataLoader, an IterableDataset, a custom sampler: a clear error at construction."""
-    with pytest.raises(TypeError, match="shard=True splits a torch.utils.data.DataLoader"):
+    with pytest.raises(TypeError, match=r"shard=True splits a torch\.utils\.data\.DataLoader"):
         nostall.prefetch([1, 2], shard=True)
     with pytest.raises(ValueError, match="cannot split an IterableDataset"):
         nostall.prefetch(DataLoader(Stream()), shard=True)
