@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ._accelerate import ShardMirror
+from ._accelerate import ShardMirror, is_prepared_shard
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1
@@ -109,9 +109,10 @@ def readable_epoch(source: object) -> int | None:
 
 def has_unreadable_set_epoch(source: object) -> bool:
     """True when ``set_epoch`` reaches an object that keeps no readable ``epoch`` attribute."""
-    return not epoch_marks(source) and any(
-        callable(getattr(t, "set_epoch", None)) for t in set_epoch_targets(source)
-    )
+    targets = set_epoch_targets(source)
+    if is_prepared_shard(source):
+        targets = targets[1:]  # accelerate's shard only passes set_epoch on to these
+    return not epoch_marks(source) and any(callable(getattr(t, "set_epoch", None)) for t in targets)
 
 
 def describe_order(source: object) -> dict[str, Any]:
@@ -229,7 +230,7 @@ class EpochSource:
         if resume is not None and resume["epoch"] != epoch:
             resume = None
         if self.across_epochs if forward is None else forward:
-            forward_set_epoch(self.source, epoch)
+            forward_set_epoch(self.iterable, epoch)
         skipped = 0 if resume is None else resume["batches_yielded"]
         if self.stateful:
             if resume is not None and resume["source_state"] is not None:
@@ -240,7 +241,7 @@ class EpochSource:
             return iter(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
-            forward_set_epoch(self.source, replay["sampler_epoch"])
+            forward_set_epoch(self.iterable, replay["sampler_epoch"])
         return self._replay(epoch, replay, skipped), skipped
 
     def _replay(self, epoch: int, replay: dict[str, Any], skipped: int) -> Iterator[Any]:
