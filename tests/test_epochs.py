@@ -272,7 +272,7 @@ def check_resume(
 
     The resumed run must yield exactly the rest of epoch e and then the following epochs of the
     uninterrupted run. "last" saves after the last batch (before the epoch's end is seen),
-    "end" after the epoch's end. With ``reseed``, the global generator is seeded before each
+    "end" after the epoch's end; both are the start of the next epoch. With ``reseed``, the global generator is seeded before each
     original run and set elsewhere before each resumed one, so only the state can carry it.
     """
     if reseed is not None:
@@ -301,8 +301,11 @@ def check_resume(
             state = roundtrip(p.state_dict())
             checkpoint_rng = torch.get_rng_state()  # a training checkpoint saves it too
             p.close()
-            assert (e + 1 if k == "end" else e) == state["epoch"]
-            assert (0 if k == "end" else count) == state["batches_yielded"]
+            # After the last batch the epoch is complete, its end asked for or not (Lightning
+            # never asks): the state is the next epoch's start.
+            complete = k in ("last", "end")
+            assert (e + 1 if complete else e) == state["epoch"]
+            assert (0 if complete else count) == state["batches_yielded"]
 
             if reseed is not None:
                 torch.manual_seed(reseed + 1000)
@@ -314,7 +317,7 @@ def check_resume(
                 resumed.set_epoch(later)
                 rest.append([b.tolist() for b in resumed])
             resumed.close()
-            expected = full[e + 1 :] if k == "end" else [full[e][count:], *full[e + 1 :]]
+            expected = full[e + 1 :] if complete else [full[e][count:], *full[e + 1 :]]
             assert expected == rest, f"epoch {e}, saved after {k}"
 
 

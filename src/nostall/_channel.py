@@ -58,11 +58,14 @@ class Channel:
           together keep every batch once and in order.
         * Once ``finished``, nothing more is pulled. An error in one batch does not finish the
           channel: the next pull asks the same iterator for the following batch.
+        * A source with a length is not asked for anything past its ``expected`` batches
+          until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
+          ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
+          has effects (a ``RandomSampler`` draws once more from the loader's generator).
         * Across epochs, the next epoch is opened (its ``set_epoch`` called, its order drawn)
-          only once ``may_open`` is set: when the consumer has taken the epoch's last batch
-          (by ``len(source)``) or its end. Until then the consumer may still stop early, and a
-          framework may still set the epoch on the sampler itself (Lightning does); opening
-          sooner would draw the next order from a stale epoch.
+          only once the consumer has taken the epoch's end (``may_open``). Until then it may
+          still stop early, and a framework may still set the epoch on the sampler itself;
+          opening sooner would draw the next order from a stale epoch.
     """
 
     def __init__(
@@ -100,9 +103,11 @@ class Channel:
         self.on_first_batch: Callable[[Staged], None] | None = None
         #: Set once the producer thread gave itself its own intra-op thread count.
         self.threads_set = threading.Event()
-        #: Across epochs: set when the consumer reached the end of the epoch being handed out.
+        #: Set when the consumer took the epoch's end: across epochs, the next may be opened.
         self.may_open = threading.Event()
-        #: Batches in the epoch being handed out (``len(source)``), when the source has a length.
+        #: Set when the consumer asked for what follows the epoch's ``expected`` batches.
+        self.may_pull_end = threading.Event()
+        #: Batches in the epoch being pulled (``len(source)``), when the source has a length.
         self.expected: int | None = None
         #: ``EpochSource.marks()`` read right after each epoch's order was drawn, by epoch, and
         #: when the last epoch ended (before the next one was opened).
@@ -122,16 +127,19 @@ class Channel:
         name = threading.current_thread().name
         if self.batches is None:  # across epochs: the next one starts here
             self.phase = f"iter(source) for epoch {epoch}"
+            self.may_open.clear()
             try:
                 self.batches, self.pulled = epochs.open(epoch)
             except BaseException as e:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
+            self.expected = epochs.length()
         index = self.pulled
         self.phase = f"next(source) for batch {index}"
         try:
             batch = next(self.batches)
         except StopIteration:
             self.batches = None
+            self.may_pull_end.clear()  # served; the next epoch's end waits for its own request
             if epoch not in self.marks:
                 self.marks[epoch] = epochs.marks()
             self.end_marks = epochs.marks()
@@ -189,14 +197,32 @@ class Channel:
                 return False
         return not self.stop.is_set()
 
-    def wait_to_open(self) -> bool:
-        """Across epochs, wait until the next epoch may be opened; False once told to stop."""
+    def at_gate(self) -> threading.Event | None:
+        """What the next pull must wait for: the consumer's request, or None to pull now."""
         if self.finished:
-            return True  # nothing to open: the pull returns at once
-        while not self.may_open.wait(POLL_S):
-            if self.stop.is_set():
-                return False
+            return None
+        if self.batches is None:
+            return None if self.may_open.is_set() else self.may_open
+        expected = self.expected
+        if expected and self.pulled >= expected and not self.may_pull_end.is_set():
+            return self.may_pull_end
+        return None
+
+    def wait_at_gate(self) -> bool:
+        """Wait until the next pull may happen (see :meth:`at_gate`); False once told to stop."""
+        gate = self.at_gate()
+        if gate is not None:
+            while not gate.wait(POLL_S):
+                if self.stop.is_set():
+                    return False
         return not self.stop.is_set()
+
+    def wake_to_stop(self) -> None:
+        """Ask the producer to stop, waking it wherever it waits (a slot or a gate)."""
+        self.stop.set()
+        self.slots.release()  # the channel is done with: its slot count no longer matters
+        self.may_open.set()
+        self.may_pull_end.set()
 
     def put(self, message: Message) -> None:
         """Send a message that already owns a slot."""
@@ -252,8 +278,8 @@ class Channel:
         try:
             if self.finished or not self.items.empty():
                 return None  # it queued one just before we took the lock: _wait takes it
-            if self.batches is None and not self.may_open.is_set():
-                return None  # the next epoch may not be opened yet: the producer waits for it
+            if self.at_gate() is not None:
+                return None  # the consumer has not asked for it: the producer waits for it
             return self.pull()
         finally:
             self.pull_lock.release()
@@ -339,11 +365,13 @@ def produce(channel: Channel) -> None:
                     channel.put(channel._failed(e, where))
             return
         while channel.acquire():
-            if channel.batches is None and not channel.wait_to_open():
+            if not channel.wait_at_gate():
                 return
             with channel.pull_lock:
-                if channel.finished:
-                    return  # the consumer pulled the end or an error itself
+                if channel.finished or channel.stop.is_set():
+                    # The consumer pulled the end or an error itself, or let this channel go
+                    # (and may now touch the source itself: no pull may start after a stop).
+                    return
                 message = channel.pull()
                 channel.put(message)
             kind = message[0]

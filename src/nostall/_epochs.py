@@ -210,6 +210,10 @@ class EpochSource:
         """What is iterated for each epoch: the source, or its accelerate shadow."""
         return self.source if self.mirror is None else self.mirror.shadow
 
+    def length(self) -> int | None:
+        """Batches per epoch (``len(source)``), or None for a source without a length."""
+        return _length(self.source)
+
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
         return epoch_marks(self.source)
@@ -218,16 +222,23 @@ class EpochSource:
         """What the consumer must replay when this pull is handed out (accelerate), or None."""
         return None if self.mirror is None else self.mirror.after_pull(end)
 
-    def open(self, epoch: int, forward: bool | None = None) -> tuple[Iterator[Any], int]:
+    def open(
+        self, epoch: int, forward: bool | None = None, outside: bool = False
+    ) -> tuple[Iterator[Any], int]:
         """Create the source's iterator for ``epoch``; return it and the batches it skipped.
 
         A loaded state for this epoch is resumed: the source restores its own state, or the
         order is drawn again from the recorded random state and the batches already handed
         out are skipped. ``forward``: call the source's ``set_epoch(epoch)`` first (default:
-        across epochs, where nostall counts the epochs itself).
+        across epochs, where nostall counts the epochs itself). ``outside``: the epoch was set
+        on the sampler by someone else (a framework that takes ``len()`` batches).
         """
         resume, self.resume = self.resume, None
         if resume is not None and resume["epoch"] != epoch:
+            resume = None
+        end_of = None if resume is None or self.stateful else resume["replay"].get("end_of")
+        if end_of and not outside:
+            self._ask_for_the_end(epoch - 1, end_of)
             resume = None
         if self.across_epochs if forward is None else forward:
             forward_set_epoch(self.iterable, epoch)
@@ -243,6 +254,23 @@ class EpochSource:
         if replay["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, replay["sampler_epoch"])
         return self._replay(epoch, replay, skipped), skipped
+
+    def _ask_for_the_end(self, epoch: int, end_of: dict[str, Any]) -> None:
+        """Replay a complete epoch whose end was not asked for yet, and ask for it.
+
+        A state saved after an epoch's last batch but before its ``StopIteration`` is resumed
+        at the next epoch's start. A loop that goes on by itself would have asked for that end
+        first, and asking has effects (a ``RandomSampler`` draws once more from the loader's
+        generator), so it is asked for again here; a framework that sets the next epoch on the
+        sampler itself never asks, and gets the state as saved (``outside`` in :meth:`open`).
+        """
+        before = _sampler_epoch(self.source)
+        if end_of["sampler_epoch"] is not None:
+            forward_set_epoch(self.iterable, end_of["sampler_epoch"])
+        for _ in self._replay(epoch, end_of, end_of["batches"]):
+            pass
+        if before is not None:
+            forward_set_epoch(self.iterable, before)  # as set for the epoch opening now
 
     def _replay(self, epoch: int, replay: dict[str, Any], skipped: int) -> Iterator[Any]:
         """Draw the epoch's order again from ``rng`` and skip the first ``skipped`` batches."""
@@ -384,6 +412,14 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
 
 
 def _check_replay(replay: dict[str, Any]) -> None:
+    end_of = replay.get("end_of")
+    if end_of is not None:
+        if not isinstance(end_of, dict) or not isinstance(end_of.get("batches"), int):
+            raise ValueError(
+                "state['replay']['end_of'] must be a dict with 'batches'; pass a state from "
+                "Prefetcher.state_dict()"
+            )
+        _check_replay({k: v for k, v in end_of.items() if k != "batches"})
     sampler_epoch = replay.get("sampler_epoch")
     if sampler_epoch is not None and (
         isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int) or sampler_epoch < 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -374,6 +373,12 @@ class Prefetcher(Generic[T]):
             saved = epochs.start_state()
         else:
             epoch, yielded, saved = lineage.position
+            if yielded and yielded == epochs.length() and not epochs.stateful:
+                # Every batch handed out, the end not yet asked for (Lightning never asks):
+                # resuming from here starts the next epoch, not an empty rest of this one;
+                # how this epoch ended is replayed if the resumed loop asks for the end.
+                end_of = {**saved, "batches": yielded} if isinstance(saved, dict) else None
+                epoch, yielded, saved = epoch + 1, 0, {**epochs.end_state(), "end_of": end_of}
         if epochs.stateful:
             state = build_state(epoch, yielded, saved, None, {})
         else:
@@ -497,11 +502,19 @@ class _Lineage:
     def active_iteration(self) -> PrefetchIterator[Any] | None:
         return self.active() if self.active is not None else None
 
-    def discard_ahead(self) -> None:
-        """Stop a producer that runs ahead into the next epoch; what it fetched is dropped."""
-        if self.ahead is not None:
-            self.ahead.stop.set()
-            self.ahead = None
+    def discard_ahead(self, wait: bool = True) -> None:
+        """Stop a producer that runs ahead into the next epoch; what it fetched is dropped.
+
+        With ``wait``, return only once it can no longer touch the source (a pull under way,
+        which may be opening an epoch and calling ``set_epoch``, has finished), so that the
+        caller may change the source's epoch or state itself.
+        """
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.wake_to_stop()
+            if wait:
+                with ahead.pull_lock:
+                    pass
 
     @staticmethod
     def owner_gone(lineage: _Lineage) -> None:
@@ -509,7 +522,7 @@ class _Lineage:
         lineage.owner_alive = False
         active = lineage.active_iteration()
         if active is None or active._state is not _RUNNING:
-            lineage.discard_ahead()
+            lineage.discard_ahead(wait=False)  # a finaliser must not block
 
 
 _CREATED, _RUNNING, _DONE, _STOPPED = "created", "running", "done", "stopped"
@@ -573,6 +586,8 @@ class PrefetchIterator(Iterator[T]):
                 raise StopIteration
         elif self._lineage.fork_generation != _channel.fork_generation:
             _check_not_forked(self._lineage)
+        if self._index == channel.expected:
+            channel.may_pull_end.set()  # asked past the last batch: the source may now end
         try:
             message = channel.get(self._index, self._timeout)
         except KeyboardInterrupt:
@@ -592,8 +607,6 @@ class PrefetchIterator(Iterator[T]):
             self._index += 1
             lineage.position = (epoch, self._index, state)
             lineage.loaded = None
-            if self._index == channel.expected:
-                channel.may_open.set()  # the epoch's last batch: the next may be opened
             if kind is ERROR:
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
@@ -618,28 +631,30 @@ class PrefetchIterator(Iterator[T]):
             if lineage.epochs.across_epochs and not channel.finished:
                 lineage.ahead = channel  # it is already fetching the next epoch
                 if not lineage.owner_alive:
-                    lineage.discard_ahead()
+                    lineage.discard_ahead(wait=False)
             raise StopIteration
         raise payload
 
     def _finish_if_complete(self) -> None:
-        """Take the end of an epoch whose last batch (by ``len``) the consumer already has.
+        """Count an epoch complete once its ``len(source)`` batches were handed out.
 
         Frameworks such as Lightning take ``len(loader)`` batches and start the next epoch
-        without asking for the ``StopIteration``; the epoch is complete all the same, and
-        counting it so keeps the epoch number, the resume state and ``across_epochs`` right.
-        Anything but the end (the source yields more than its ``len``) is left to ``_stop``.
+        without asking for the ``StopIteration``. The epoch is complete all the same: counting
+        it keeps the epoch number and the resume state right. The source is not asked for its
+        end (a plain loop of that kind never asks either, and asking may draw random numbers).
         """
         channel = self._channel
         if self._state is not _RUNNING or channel is None or self._index != channel.expected:
             return
-        try:
-            message = channel.get(self._index, self._timeout)
-        except Exception:
-            return  # nothing to finish: the stop that follows ends it as before
-        if message[0] is END:
-            with contextlib.suppress(StopIteration):
-                self._take(channel, message)
+        lineage = self._lineage
+        epochs = lineage.epochs
+        self._stop("the epoch was complete (len(source) batches) when a new iter() began")
+        self._state = _DONE
+        lineage.epoch = channel.epoch + 1
+        lineage.position = None if epochs.stateful else (lineage.epoch, 0, epochs.end_state())
+        lineage.loaded = None
+        if epochs.mirror is not None:
+            epochs.mirror.abandon()  # accelerate's own iterator would not have ended either
 
     @property
     def depth(self) -> int:
@@ -661,13 +676,13 @@ class PrefetchIterator(Iterator[T]):
         if ahead is not None and not ahead.stop.is_set():
             if _opened_with_current_epoch(ahead, lineage):
                 self._state, self._channel, self._index = _RUNNING, ahead, 0
-                ahead.expected = _length(self._source)
                 return ahead  # across epochs: this epoch is already being fetched
-            ahead.stop.set()  # its order was drawn for an epoch the sampler is no longer in
+            ahead.wake_to_stop()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
-        forward = self._follow_outside_set_epoch()
+        outside = self._follow_outside_set_epoch()
+        forward = lineage.epochs.across_epochs and not outside
         if lineage.pending_transform_state is not None:
             self._staging.transform.load_state_dict(  # type: ignore[union-attr]
                 lineage.pending_transform_state
@@ -705,13 +720,16 @@ class PrefetchIterator(Iterator[T]):
         if epochs.mirror is not None:
             epochs.mirror.sync_epoch()
         try:
-            channel.batches, channel.pulled = epochs.open(lineage.epoch, forward=forward)
+            channel.batches, channel.pulled = epochs.open(
+                lineage.epoch, forward=forward, outside=outside
+            )
         except BaseException as e:
             self._channel, self._state = None, _DONE
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
         self._index = channel.pulled  # a resumed epoch starts after the batches already seen
-        channel.expected = _length(self._source)
+        channel.expected = epochs.length()
+        lineage.marks = epochs.marks()  # as this open left them (it may have set the epoch)
         # Start this thread's intra-op pool now, with its own count: the producer sets one
         # thread for itself, and a pool started after that would read its count (1).
         self._threads = torch.get_num_threads()
@@ -730,15 +748,15 @@ class PrefetchIterator(Iterator[T]):
     def _follow_outside_set_epoch(self) -> bool:
         """Before a fresh epoch opens: adopt an epoch set on the sampler by someone else.
 
-        Returns whether nostall should call ``set_epoch`` itself (across epochs, when nobody
-        else did): an outside ``set_epoch`` (Lightning calls it on ``loader.sampler``) wins,
-        and the prefetcher's epoch count follows it where the sampler shows its epoch.
+        Returns whether someone else set it: an outside ``set_epoch`` (Lightning calls it on
+        ``loader.sampler``) wins over nostall's own count, and the prefetcher's epoch count
+        follows it where the sampler shows its epoch.
         """
         lineage = self._lineage
         epochs = lineage.epochs
         now = epochs.marks()
         if now == lineage.marks:
-            return epochs.across_epochs
+            return False
         lineage.marks = now
         outside = readable_epoch(self._source)
         if outside is not None and outside != lineage.epoch:
@@ -754,7 +772,7 @@ class PrefetchIterator(Iterator[T]):
             lineage.epoch = outside
             if lineage.position is not None and lineage.position[0] != outside:
                 lineage.position = None
-        return False
+        return True
 
     def _wait_for_previous_producer(self) -> None:
         previous = self._lineage.thread
@@ -794,7 +812,7 @@ class PrefetchIterator(Iterator[T]):
         self._state = _STOPPED
         self._stopped_why = why
         if self._channel is not None:
-            self._channel.stop.set()
+            self._channel.wake_to_stop()
             self._channel = None
 
     def __del__(self) -> None:
@@ -802,7 +820,7 @@ class PrefetchIterator(Iterator[T]):
         # signals, never joins, since a finaliser must not block.
         channel = self.__dict__.get("_channel")
         if channel is not None:
-            channel.stop.set()
+            channel.wake_to_stop()
 
 
 def _describe(source: object) -> str:
