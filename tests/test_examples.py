@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from nostall._doctor import load_callable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,3 +136,20 @@ def test_gpu_normalize_gives_the_same_batches() -> None:
     assert 0 == done.returncode, done.stdout + done.stderr
     assert "largest difference between the two" in done.stdout
     assert "24,576 bytes/batch" in done.stdout  # 8 x 3 x 32 x 32 uint8, a quarter of float32
+
+
+@pytest.mark.parametrize(
+    ("heading", "example"),
+    [
+        ("### Lightning", "lightning_train.py"),
+        ("### accelerate", "accelerate_train.py"),
+        ("### torchrun", "torchrun_resume.py"),
+    ],
+)
+def test_readme_framework_code_is_the_tested_example(heading: str, example: str) -> None:
+    """The README's code under each framework is that example file, which the tests run."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Using nostall with Lightning, accelerate and torchrun", 1)[1]
+    part = section.split(heading + "\n", 1)[1]
+    block = part.split("```python\n", 1)[1].split("\n```", 1)[0]
+    assert (ROOT / "examples" / example).read_text().rstrip("\n") == block
