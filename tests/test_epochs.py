@@ -272,8 +272,9 @@ def check_resume(
 
     The resumed run must yield exactly the rest of epoch e and then the following epochs of the
     uninterrupted run. "last" saves after the last batch (before the epoch's end is seen),
-    "end" after the epoch's end; both are the start of the next epoch. With ``reseed``, the global generator is seeded before each
-    original run and set elsewhere before each resumed one, so only the state can carry it.
+    "end" after the epoch's end; both are the start of the next epoch. With ``reseed``, the
+    global generator is seeded before each original run and set elsewhere before each resumed
+    one, so only the state can carry it.
     """
     if reseed is not None:
         torch.manual_seed(reseed)
