@@ -555,6 +555,19 @@ def test_setting_a_loader_attribute_the_loader_allows_applies_it() -> None:
     assert [3, 12] == list(p)
 
 
+def test_resetting_the_loaders_iterator_reaches_the_loader() -> None:
+    """Lightning's teardown sets ``loader._iterator = None`` after shutting the workers down."""
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    p = nostall.prefetch(loader, "cpu")
+    assert [[0, 1], [2, 3]] == [b.tolist() for b in p]
+    assert loader._iterator is not None
+    p._iterator = None
+    assert loader._iterator is None
+    assert "_iterator" not in vars(p)
+    assert [[0, 1], [2, 3]] == [b.tolist() for b in p]  # a new iterator, as the loader would
+    p.close()
+
+
 def test_new_attributes_stay_on_the_prefetcher() -> None:
     """A name the loader does not have is the prefetcher's own (user bookkeeping)."""
     loader = make_loader(7, 0)

@@ -95,8 +95,12 @@ def prefetch(
     )
 
 
-#: The prefetcher's own public attributes; any other name the source has is set on the source.
-_OWN_ATTRIBUTES = frozenset({"device", "depth", "timeout", "across_epochs", "pin_memory"})
+#: The prefetcher's own attributes; any other name the source has is set on the source (a
+#: framework's ``loader._iterator = None`` after shutting its workers down reaches the loader).
+_OWN_ATTRIBUTES = frozenset(
+    {"device", "depth", "timeout", "across_epochs", "pin_memory"}
+    | {"_source", "_staging", "_lineage", "_recorder", "_closed", "_shard"}
+)
 
 
 class Prefetcher(Generic[T]):
@@ -299,7 +303,7 @@ class Prefetcher(Generic[T]):
         source = self.__dict__.get("_source")
         if (
             source is None
-            or name.startswith("_")
+            or name.startswith("__")
             or name in _OWN_ATTRIBUTES
             or name in self.__dict__
             or hasattr(type(self), name)
