@@ -48,6 +48,13 @@ def is_prepared_shard(source: object) -> bool:
     return shard_type is not None and type(source) is shard_type
 
 
+def is_dispatcher(source: object) -> bool:
+    """True for accelerate's ``DataLoaderDispatcher`` (``dispatch_batches=True``)."""
+    module = sys.modules.get("accelerate.data_loader")
+    dispatcher_type = getattr(module, "DataLoaderDispatcher", None)
+    return dispatcher_type is not None and type(source) is dispatcher_type
+
+
 def accelerate_is_active() -> bool:
     """True once an ``Accelerator`` (or accelerate's ``PartialState``) was created here."""
     module = sys.modules.get("accelerate.state")

@@ -37,6 +37,9 @@ ERROR = "error"
 #: ``KeyboardInterrupt`` inside the source).
 FAILED = "failed"
 
+#: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.
+STALE: Any = object()
+
 #: (kind, payload, epoch, state, hook): a staged batch, an epoch's end (payload: its batch
 #: count) or an error; the epoch it belongs to; what a state saved right after it needs; what
 #: the source's framework must see when it is handed out (see ``EpochSource.after_pull``).
@@ -62,10 +65,11 @@ class Channel:
           until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
           has effects (a ``RandomSampler`` draws once more from the loader's generator).
-        * Across epochs, the next epoch is opened (its ``set_epoch`` called, its order drawn)
-          only once the consumer has taken the epoch's end (``may_open``). Until then it may
-          still stop early, and a framework may still set the epoch on the sampler itself;
-          opening sooner would draw the next order from a stale epoch.
+        * Across epochs, the next epoch is opened (its order drawn) only once the consumer has
+          taken the epoch's end and called ``set_epoch`` for the next (``may_open``); until
+          then it may still stop early. The producer never calls ``set_epoch`` itself: the
+          user or a framework may set the sampler's epoch at any time, and the marks read
+          around the draw tell whether the order drawn is the one for the epoch set.
     """
 
     def __init__(
@@ -109,10 +113,10 @@ class Channel:
         self.may_pull_end = threading.Event()
         #: Batches in the epoch being pulled (``len(source)``), when the source has a length.
         self.expected: int | None = None
-        #: ``EpochSource.marks()`` read right after each epoch's order was drawn, by epoch, and
-        #: when the last epoch ended (before the next one was opened).
+        #: ``EpochSource.marks()`` read right after each epoch's order was drawn, by epoch
+        #: (``STALE`` when they changed while it was drawn), and before each was opened here.
         self.marks: dict[int, Any] = {}
-        self.end_marks: Any = None
+        self.open_marks: dict[int, Any] = {}
 
     # -- either side, holding pull_lock ----------------------------------------------------------
 
@@ -128,8 +132,11 @@ class Channel:
         if self.batches is None:  # across epochs: the next one starts here
             self.phase = f"iter(source) for epoch {epoch}"
             self.may_open.clear()
+            # The consumer already called set_epoch for it when it took the last epoch's end:
+            # this thread never touches the sampler's epoch, which the user may set meanwhile.
+            self.open_marks[epoch] = epochs.marks()
             try:
-                self.batches, self.pulled = epochs.open(epoch)
+                self.batches, self.pulled = epochs.open(epoch, forward=False)
             except BaseException as e:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
             self.expected = epochs.length()
@@ -141,8 +148,7 @@ class Channel:
             self.batches = None
             self.may_pull_end.clear()  # served; the next epoch's end waits for its own request
             if epoch not in self.marks:
-                self.marks[epoch] = epochs.marks()
-            self.end_marks = epochs.marks()
+                self._mark_drawn(epoch)
             if epochs.across_epochs:
                 self.epoch, self.pulled = epoch + 1, 0
             else:
@@ -153,7 +159,7 @@ class Channel:
             return self._failed(e, f"raised by next(source) for batch {index}, in {name!r}")
         finally:
             if epoch not in self.marks and self.batches is not None:
-                self.marks[epoch] = epochs.marks()  # the order is drawn by now
+                self._mark_drawn(epoch)  # the order is drawn by now
         hook = epochs.after_pull(False)
         self.phase = f"moving batch {index} to {self.staging.device}"
         self.pulled += 1
@@ -166,6 +172,12 @@ class Channel:
             on_first, self.on_first_batch = self.on_first_batch, None
             on_first(staged)
         return self._with_state(BATCH, staged, epoch, lambda: epochs.batch_state(epoch), hook)
+
+    def _mark_drawn(self, epoch: int) -> None:
+        """Record the sampler's epoch marks an order was drawn with (STALE if they moved)."""
+        after = self.epochs.marks()
+        before = self.open_marks.get(epoch, after)
+        self.marks[epoch] = after if after == before else STALE
 
     def _with_state(
         self, kind: str, payload: Any, epoch: int, state: Callable[[], Any], hook: Any

@@ -210,6 +210,10 @@ class EpochSource:
         """What is iterated for each epoch: the source, or its accelerate shadow."""
         return self.source if self.mirror is None else self.mirror.shadow
 
+    def forward_epoch(self, epoch: int) -> None:
+        """Call ``set_epoch(epoch)`` where the source keeps it (see :func:`forward_set_epoch`)."""
+        forward_set_epoch(self.iterable, epoch)
+
     def length(self) -> int | None:
         """Batches per epoch (``len(source)``), or None for a source without a length."""
         return _length(self.source)

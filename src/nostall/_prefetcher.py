@@ -14,7 +14,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _channel
-from ._accelerate import ShardMirror, accelerate_is_active, is_prepared_shard, prepared_loader_types
+from ._accelerate import (
+    ShardMirror,
+    accelerate_is_active,
+    is_dispatcher,
+    is_prepared_shard,
+    prepared_loader_types,
+)
 from ._channel import BATCH, END, ERROR, POLL_S, Channel, Message, add_note, join_quietly, produce
 from ._device import DeviceLike, resolve_device
 from ._epochs import (
@@ -191,6 +197,14 @@ class Prefetcher(Generic[T]):
         else:
             self.pin_memory = False  # pinned memory only speeds up copies to a GPU
             self._staging = Staging(self.device, transform)
+        if is_dispatcher(source) and distributed_world() is not None:
+            raise ValueError(
+                "nostall.prefetch cannot run ahead of an accelerate DataLoaderDispatcher in a "
+                "distributed run: each of its batches is a collective call across ranks, which "
+                "must not run in a background thread. Prepare the loader with "
+                "DataLoaderConfiguration(dispatch_batches=False) (each rank then reads its own "
+                "shard), or iterate the dispatcher without nostall"
+            )
         mirror = ShardMirror(source) if is_prepared_shard(source) else None
         if mirror is not None and across_epochs and distributed_world() is not None:
             raise ValueError(
@@ -623,13 +637,17 @@ class PrefetchIterator(Iterator[T]):
         self._channel = None
         self._state = _DONE
         if kind is END:
-            channel.may_open.set()
             if mirror is not None:
                 mirror.hand_out(hook, end=True)
             lineage.position = (epoch + 1, 0, state)
             lineage.loaded = None
             lineage.epoch = epoch + 1
-            lineage.marks = channel.end_marks
+            if lineage.epochs.across_epochs and not channel.finished:
+                # Here, in the consumer's thread, before the producer may open the next epoch:
+                # a set_epoch the user makes after this reaches the sampler after ours.
+                lineage.epochs.forward_epoch(epoch + 1)
+            lineage.marks = lineage.epochs.marks()
+            channel.may_open.set()
             if lineage.one_shot:
                 lineage.exhausted = True
             if lineage.epochs.across_epochs and not channel.finished:
@@ -842,17 +860,16 @@ def _opened_with_current_epoch(ahead: Channel, lineage: _Lineage) -> bool:
     """Whether the epoch a producer opened ahead still matches the sampler's epoch.
 
     Between the end of one epoch and the start of the next, a framework may call ``set_epoch``
-    on the sampler itself. The producer read the sampler's marks when it drew the next order
-    (or, if it has not opened it yet, the marks at the end of the last epoch): any difference
-    means that order is stale.
+    on the sampler itself. Valid only if the sampler's marks are still those nostall left when
+    it called ``set_epoch`` for this epoch, and the order was drawn with them (or is not drawn
+    yet, and so will be).
     """
     with ahead.pull_lock:  # not while the producer is inside the source
         current = lineage.epochs.marks()
-        expected = ahead.marks.get(lineage.epoch, ahead.end_marks)
-        if current != expected:
+        if current != lineage.marks:
             return False
-        lineage.marks = current
-        return True
+        drawn = ahead.marks.get(lineage.epoch)
+        return drawn is None or drawn == current
 
 
 def _check_not_forked(lineage: _Lineage) -> None:
@@ -891,8 +908,9 @@ def _warn_inexact_stateful_resume(source: object) -> None:
     if isinstance(generator, torch.Generator):
         warnings.warn(
             "nostall: this loader resumes through its own state_dict(), which does not hold "
-            "the state of its generator=: the rest of this epoch resumes exactly, but the "
-            "following epochs draw other orders than an uninterrupted run. Save "
+            "the state of its generator=: the following epochs draw other orders than an "
+            "uninterrupted run (and a loader that draws from it when built, as accelerate's "
+            "does, may resume this epoch differently too). Save "
             "loader.generator.get_state() at each epoch's start with your checkpoint and "
             "restore it before the next epoch, or use a plain DataLoader (nostall then "
             "replays its generator)",
