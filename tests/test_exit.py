@@ -220,7 +220,7 @@ def test_worker_killed_by_a_signal_arrives_with_a_note() -> None:
             for batch in nostall.prefetch(loader, "cpu"):
                 pass
         except RuntimeError as e:
-            print("error:", "killed by signal" in str(e))
+            print("error:", "DataLoader worker" in str(e))  # killed, or exited unexpectedly
             print("noted:", any("nostall:" in n for n in getattr(e, "__notes__", [])))
     """)
     assert 0 == done.returncode, done.stderr
