@@ -703,3 +703,34 @@ def test_impossible_states_are_refused_at_load(field: str, value: Any, match: st
     with pytest.raises(ValueError, match=match):
         fresh.load_state_dict(state)
     fresh.close()
+
+
+def test_a_loop_that_asks_for_each_end_gets_the_next_epoch_opened_ahead() -> None:
+    """Once the consumer asked for an epoch's end, the next epochs open before it asks again."""
+    source = CountingSource(4)
+    p = nostall.prefetch(source, "cpu", depth=3, across_epochs=True)
+    assert list(range(4)) == [int(t) for t in p]  # asks for the end: a plain for loop
+    it = iter(p)
+    assert list(range(4)) == [int(next(it)) for _ in range(4)]  # the end not asked for yet
+    assert wait_until(lambda: 3 == source.iters)  # epoch 2 opened all the same
+    assert [] == list(it)
+    assert list(range(4)) == [int(t) for t in p]
+    assert 3 == p.epoch
+    p.close()
+
+
+def test_a_framework_that_never_asks_for_the_end_never_exhausts_the_sampler() -> None:
+    """Taking len() batches (Lightning) leaves the loader's generator as a plain run leaves it."""
+    generator_states = []
+    for wrap in (False, True):
+        gen = torch.Generator().manual_seed(1)
+        loader = DataLoader(Indices(12), batch_size=3, shuffle=True, generator=gen)
+        source: Any = nostall.prefetch(loader, "cpu", depth=4) if wrap else loader
+        for _ in range(3):
+            it = iter(source)
+            for _ in range(len(source)):
+                next(it)
+        generator_states.append(gen.get_state())
+        if wrap:
+            source.close()
+    assert torch.equal(generator_states[0], generator_states[1])

@@ -65,11 +65,16 @@ class Channel:
           until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
           has effects (a ``RandomSampler`` draws once more from the loader's generator).
-        * Across epochs, the next epoch is opened (its order drawn) only once the consumer has
-          taken the epoch's end and called ``set_epoch`` for the next (``may_open``); until
-          then it may still stop early. The producer never calls ``set_epoch`` itself: the
-          user or a framework may set the sampler's epoch at any time, and the marks read
-          around the draw tell whether the order drawn is the one for the epoch set.
+        * Across epochs, the next epoch is opened (``set_epoch`` called, its order drawn) only
+          once the consumer has taken the epoch's end (``taken_end``); until then it may still
+          stop early, and a framework may still set the sampler's epoch itself. The consumer
+          calls ``set_epoch`` for the next epoch as it takes the end.
+        * Except once the consumer has shown that it asks for the end (``asks_for_end``: a
+          plain ``for`` loop): from then on the producer pulls each end and opens the next
+          epoch as soon as it gets there, calling ``set_epoch`` itself, so that no epoch starts
+          with an empty pipeline. ``open_lock`` makes exactly one of the two call it.
+        * The sampler's epoch marks are read around each draw: an order drawn while someone
+          set the epoch is marked ``STALE`` and never handed out.
     """
 
     def __init__(
@@ -107,16 +112,25 @@ class Channel:
         self.on_first_batch: Callable[[Staged], None] | None = None
         #: Set once the producer thread gave itself its own intra-op thread count.
         self.threads_set = threading.Event()
-        #: Set when the consumer took the epoch's end: across epochs, the next may be opened.
-        self.may_open = threading.Event()
+        #: The last epoch whose end the consumer took (the one before ``epoch`` at first).
+        self.taken_end = epoch - 1
+        #: The consumer asked for the end of an epoch: it will ask again (a plain loop).
+        self.asks_for_end = False
         #: Set when the consumer asked for what follows the epoch's ``expected`` batches.
         self.may_pull_end = threading.Event()
+        #: Wakes a producer waiting at a gate (the consumer asked, took an end, or stopped it).
+        self.wake = threading.Event()
+        #: Serialises who calls ``set_epoch`` for the next epoch: the producer opening it
+        #: ahead, or the consumer taking the end.
+        self.open_lock = threading.Lock()
         #: Batches in the epoch being pulled (``len(source)``), when the source has a length.
         self.expected: int | None = None
         #: ``EpochSource.marks()`` read right after each epoch's order was drawn, by epoch
         #: (``STALE`` when they changed while it was drawn), and before each was opened here.
         self.marks: dict[int, Any] = {}
         self.open_marks: dict[int, Any] = {}
+        #: The marks right after this producer called ``set_epoch`` itself, by epoch.
+        self.forwarded: dict[int, Any] = {}
 
     # -- either side, holding pull_lock ----------------------------------------------------------
 
@@ -131,10 +145,12 @@ class Channel:
         name = threading.current_thread().name
         if self.batches is None:  # across epochs: the next one starts here
             self.phase = f"iter(source) for epoch {epoch}"
-            self.may_open.clear()
-            # The consumer already called set_epoch for it when it took the last epoch's end:
-            # this thread never touches the sampler's epoch, which the user may set meanwhile.
-            self.open_marks[epoch] = epochs.marks()
+            with self.open_lock:
+                if self.taken_end < epoch - 1:
+                    # Ahead of a consumer that asks for each end: nostall counts the epochs.
+                    epochs.forward_epoch(epoch)
+                    self.forwarded[epoch] = epochs.marks()
+                self.open_marks[epoch] = epochs.marks()
             try:
                 self.batches, self.pulled = epochs.open(epoch, forward=False)
             except BaseException as e:
@@ -209,32 +225,47 @@ class Channel:
                 return False
         return not self.stop.is_set()
 
-    def at_gate(self) -> threading.Event | None:
-        """What the next pull must wait for: the consumer's request, or None to pull now."""
-        if self.finished:
-            return None
-        if self.batches is None:
-            return None if self.may_open.is_set() else self.may_open
+    def gate_open(self) -> bool:
+        """Whether the next pull may happen now (see the class invariants)."""
+        if self.finished or self.asks_for_end:
+            return True
+        if self.batches is None:  # the next epoch
+            return self.taken_end >= self.epoch - 1
         expected = self.expected
-        if expected and self.pulled >= expected and not self.may_pull_end.is_set():
-            return self.may_pull_end
-        return None
+        return not (expected and self.pulled >= expected) or self.may_pull_end.is_set()
 
     def wait_at_gate(self) -> bool:
-        """Wait until the next pull may happen (see :meth:`at_gate`); False once told to stop."""
-        gate = self.at_gate()
-        if gate is not None:
-            while not gate.wait(POLL_S):
-                if self.stop.is_set():
-                    return False
+        """Wait until the next pull may happen; False once told to stop."""
+        while not self.gate_open():
+            if self.stop.is_set():
+                return False
+            self.wake.wait(POLL_S)
+            self.wake.clear()
         return not self.stop.is_set()
+
+    def ask_for_end(self) -> None:
+        """Consumer side: it asks for what follows the epoch's last batch."""
+        self.asks_for_end = True
+        self.may_pull_end.set()
+        self.wake.set()
+
+    def took_end(self, epoch: int, next_epoch: Callable[[], None] | None) -> None:
+        """Consumer side: it took ``epoch``'s end.
+
+        ``next_epoch`` calls ``set_epoch`` for the next epoch, unless the producer already did,
+        opening it ahead.
+        """
+        with self.open_lock:
+            self.taken_end = epoch
+            if next_epoch is not None and epoch + 1 not in self.open_marks:
+                next_epoch()
+        self.wake.set()
 
     def wake_to_stop(self) -> None:
         """Ask the producer to stop, waking it wherever it waits (a slot or a gate)."""
         self.stop.set()
         self.slots.release()  # the channel is done with: its slot count no longer matters
-        self.may_open.set()
-        self.may_pull_end.set()
+        self.wake.set()
 
     def put(self, message: Message) -> None:
         """Send a message that already owns a slot."""
@@ -290,7 +321,7 @@ class Channel:
         try:
             if self.finished or not self.items.empty():
                 return None  # it queued one just before we took the lock: _wait takes it
-            if self.at_gate() is not None:
+            if not self.gate_open():
                 return None  # the consumer has not asked for it: the producer waits for it
             return self.pull()
         finally:

@@ -516,6 +516,9 @@ class _Lineage:
         self.fork_generation = _channel.fork_generation
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
         self.checked_world = False
+        #: The channel of the last iteration stopped early, or of a run-ahead discarded: what
+        #: its producer set on the sampler itself is nostall's doing, not the user's.
+        self.stopped: Channel | None = None
 
     def active_iteration(self) -> PrefetchIterator[Any] | None:
         return self.active() if self.active is not None else None
@@ -529,6 +532,7 @@ class _Lineage:
         """
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
+            self.stopped = ahead
             ahead.wake_to_stop()
             if wait:
                 with ahead.pull_lock:
@@ -605,7 +609,7 @@ class PrefetchIterator(Iterator[T]):
         elif self._lineage.fork_generation != _channel.fork_generation:
             _check_not_forked(self._lineage)
         if self._index == channel.expected:
-            channel.may_pull_end.set()  # asked past the last batch: the source may now end
+            channel.ask_for_end()  # asked past the last batch: the source may now end
         try:
             message = channel.get(self._index, self._timeout)
         except KeyboardInterrupt:
@@ -642,12 +646,12 @@ class PrefetchIterator(Iterator[T]):
             lineage.position = (epoch + 1, 0, state)
             lineage.loaded = None
             lineage.epoch = epoch + 1
-            if lineage.epochs.across_epochs and not channel.finished:
-                # Here, in the consumer's thread, before the producer may open the next epoch:
-                # a set_epoch the user makes after this reaches the sampler after ours.
-                lineage.epochs.forward_epoch(epoch + 1)
-            lineage.marks = lineage.epochs.marks()
-            channel.may_open.set()
+            epochs = lineage.epochs
+            # set_epoch for the next epoch here, in the consumer's thread (unless the producer
+            # already opened it ahead): a set_epoch the user makes after this comes after ours.
+            follow = epochs.across_epochs and not channel.finished
+            channel.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
+            lineage.marks = epochs.marks()
             if lineage.one_shot:
                 lineage.exhausted = True
             if lineage.epochs.across_epochs and not channel.finished:
@@ -699,10 +703,16 @@ class PrefetchIterator(Iterator[T]):
             if _opened_with_current_epoch(ahead, lineage):
                 self._state, self._channel, self._index = _RUNNING, ahead, 0
                 return ahead  # across epochs: this epoch is already being fetched
+            lineage.stopped = ahead
             ahead.wake_to_stop()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
+        stopped, lineage.stopped = lineage.stopped, None
+        if stopped is not None and lineage.epochs.marks() in stopped.forwarded.values():
+            # Its producer opened the next epoch ahead before it was stopped: the sampler's
+            # epoch is nostall's doing, and nostall's count (set again below) still holds.
+            lineage.marks = lineage.epochs.marks()
         outside = self._follow_outside_set_epoch()
         forward = lineage.epochs.across_epochs and not outside
         if lineage.pending_transform_state is not None:
@@ -834,6 +844,7 @@ class PrefetchIterator(Iterator[T]):
         self._state = _STOPPED
         self._stopped_why = why
         if self._channel is not None:
+            self._lineage.stopped = self._channel
             self._channel.wake_to_stop()
             self._channel = None
 
