@@ -174,9 +174,9 @@ class Channel:
             self.pulled += 1  # the source moved past it: the next pull asks for the next batch
             return self._failed(e, f"raised by next(source) for batch {index}, in {name!r}")
         finally:
-            if epoch not in self.marks and self.batches is not None:
+            if self.batches is not None and epoch not in self.marks:
                 self._mark_drawn(epoch)  # the order is drawn by now
-        hook = epochs.after_pull(False)
+        hook = None if epochs.mirror is None else epochs.after_pull(False)
         self.phase = f"moving batch {index} to {self.staging.device}"
         self.pulled += 1
         try:
