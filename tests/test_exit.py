@@ -226,3 +226,46 @@ def test_worker_killed_by_a_signal_arrives_with_a_note() -> None:
     assert 0 == done.returncode, done.stderr
     assert "error: True" in done.stdout, done.stdout + done.stderr
     assert "noted: True" in done.stdout, done.stdout + done.stderr
+
+
+def test_ctrl_c_anywhere_in_next_stops_the_iteration() -> None:
+    """KeyboardInterrupt anywhere in next() stops the iteration and its producer.
+
+    Here it lands just after the producer thread started, inside the epoch's start (where a
+    Ctrl-C under load once left the producer running); the next next() says why.
+    """
+    done = run_script("""
+        original_start = threading.Thread.start
+        where = {"now": ""}
+
+        def start(self):
+            original_start(self)
+            if where["now"] == "thread start" and self.name.startswith("nostall-"):
+                raise KeyboardInterrupt
+
+        threading.Thread.start = start
+
+        for case in ("thread start",):
+            where["now"] = case
+            it = iter(nostall.prefetch(Slow(0.5), "cpu"))
+            try:
+                next(it)
+                print(case, "no interrupt", flush=True)
+            except KeyboardInterrupt:
+                pass
+            try:
+                next(it)
+                print(case, "a batch after the interrupt", flush=True)
+            except nostall.PrefetcherClosedError as e:
+                print(case, "closed:", "KeyboardInterrupt" in str(e), flush=True)
+            deadline = time.monotonic() + 10
+            while any(t.name.startswith("nostall-") for t in threading.enumerate()):
+                if time.monotonic() > deadline:
+                    print(case, "producer still alive", flush=True)
+                    break
+                time.sleep(0.01)
+    """)
+    assert_clean(done)
+    assert 0 == done.returncode, done.stderr
+    assert "thread start closed: True" in done.stdout, done.stdout
+    assert "still alive" not in done.stdout, done.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -23,13 +24,13 @@ def indices(batches: Any) -> list[int]:
 
 
 def lightning_like(loader: DataLoader[int], rank: int, world: int, epoch: int) -> list[int]:
-    """What Lightning's own injection gives: DistributedSampler(shuffle=..., seed=0)."""
+    """What Lightning injects: DistributedSampler(shuffle=..., seed=PL_GLOBAL_SEED)."""
     sampler = DistributedSampler(
         loader.dataset,  # type: ignore[arg-type]
         num_replicas=world,
         rank=rank,
         shuffle=isinstance(loader.sampler, torch.utils.data.RandomSampler),
-        seed=0,
+        seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
     )
     sampler.set_epoch(epoch)
     again = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
@@ -43,6 +44,7 @@ def test_shard_true_gives_each_rank_what_lightning_would(
 ) -> None:
     """Per rank and epoch, the indices of a DistributedSampler built as Lightning builds it."""
     as_rank(monkeypatch, rank, 2)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # Lightning's seed_everything() exports it
     loader = DataLoader(list(range(21)), batch_size=4, shuffle=shuffle)
     p = nostall.prefetch(loader, "cpu", shard=True, across_epochs=True)
     assert 3 == len(p)  # 11 of 21 samples on this rank, in batches of 4

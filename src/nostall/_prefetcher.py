@@ -595,6 +595,15 @@ class PrefetchIterator(Iterator[T]):
         return batch
 
     def _next(self) -> T:
+        try:
+            return self._next_or_interrupted()
+        except KeyboardInterrupt:
+            # Wherever it landed (starting the epoch, waiting, or inside the source when this
+            # thread pulled a batch itself), the iteration stops and its producer with it.
+            self._stop("interrupted by KeyboardInterrupt")
+            raise
+
+    def _next_or_interrupted(self) -> T:
         channel = self._channel
         if channel is None:
             if self._state is _CREATED:
@@ -610,12 +619,7 @@ class PrefetchIterator(Iterator[T]):
             _check_not_forked(self._lineage)
         if self._index == channel.expected:
             channel.ask_for_end()  # asked past the last batch: the source may now end
-        try:
-            message = channel.get(self._index, self._timeout)
-        except KeyboardInterrupt:
-            self._stop("interrupted by KeyboardInterrupt")
-            raise
-        return self._take(channel, message)
+        return self._take(channel, channel.get(self._index, self._timeout))
 
     def _take(self, channel: Channel, message: Message) -> T:
         """Hand out one message taken from ``channel``: a batch, an error, or the epoch's end."""
@@ -637,6 +641,8 @@ class PrefetchIterator(Iterator[T]):
             if payload.transform_state is not None:
                 lineage.transform_state = payload.transform_state
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
+        if isinstance(payload, KeyboardInterrupt):
+            raise payload  # from a pull in this thread: _next stops the iteration
         self._last_depth = channel.depth
         self._channel = None
         self._state = _DONE
