@@ -211,6 +211,20 @@ def test_error_in_one_batch_does_not_end_the_epoch(workers: int) -> None:
     p.close()
 
 
+def test_a_loop_that_stops_at_an_error_leaves_nothing_running() -> None:
+    """While the error (and so the iterator) is still held, no producer runs; asking goes on."""
+    it = iter(nostall.prefetch(DataLoader(FlakySamples(), batch_size=2), "cpu", depth=4))
+    with pytest.raises(ValueError, match="sample 4") as info:  # noqa: PT012
+        while True:
+            next(it)
+    assert [] == wait_for_no_nostall_threads(timeout=5.0)
+    assert info.value is not None
+    assert [6, 7] == next(it).tolist()  # a loop that catches it gets the following batches
+    with pytest.raises(ValueError, match="sample 9"):
+        next(it)
+    assert [[10, 11]] == [b.tolist() for b in it]
+
+
 def test_a_state_saved_after_a_failed_batch_resumes_after_it() -> None:
     """The failed batch counts as handed out: resuming skips it, as the plain loop went on."""
     loader = DataLoader(FlakySamples(), batch_size=2)

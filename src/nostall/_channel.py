@@ -60,7 +60,9 @@ class Channel:
           work, and on a fast source this saves two thread switches per batch. Both rules
           together keep every batch once and in order.
         * Once ``finished``, nothing more is pulled. An error in one batch does not finish the
-          channel: the next pull asks the same iterator for the following batch.
+          channel, but nothing more is pulled until the consumer asks for the next batch
+          (``after_error``): then the same iterator is asked for the following one, as a
+          DataLoader's iterator is when the loop catches the error and goes on.
         * A source with a length is not asked for anything past its ``expected`` batches
           until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
@@ -116,6 +118,8 @@ class Channel:
         self.taken_end = epoch - 1
         #: The consumer asked for the end of an epoch: it will ask again (a plain loop).
         self.asks_for_end = False
+        #: A batch failed and the consumer has not asked for what follows it yet.
+        self.after_error = False
         #: Set when the consumer asked for what follows the epoch's ``expected`` batches.
         self.may_pull_end = threading.Event()
         #: Wakes a producer waiting at a gate (the consumer asked, took an end, or stopped it).
@@ -208,6 +212,9 @@ class Channel:
         ends_epoch = self.batches is None or not isinstance(error, Exception)
         if ends_epoch:
             self.batches, self.finished = None, True
+        else:
+            self.after_error = True  # nothing more is pulled until the consumer asks
+            self.wake.set()
         state = None
         if not ends_epoch:
             try:  # where a checkpoint taken after this error resumes: after the failed batch
@@ -219,15 +226,24 @@ class Channel:
     # -- producer side -------------------------------------------------------------------------
 
     def acquire(self) -> bool:
-        """Take a slot for the next batch; False once the consumer asked the producer to stop."""
+        """Take a slot for the next batch; False once told to stop, or after an error.
+
+        After an error in one batch, False without a slot: the producer pauses (ends) until
+        the consumer asks for what follows.
+        """
         while not self.slots.acquire(timeout=POLL_S):
-            if self.stop.is_set():
+            if self.stop.is_set() or self.after_error:
                 return False
+        if self.after_error:
+            self.slots.release()
+            return False
         return not self.stop.is_set()
 
     def gate_open(self) -> bool:
         """Whether the next pull may happen now (see the class invariants)."""
-        if self.finished or self.asks_for_end:
+        if self.finished:
+            return True
+        if self.asks_for_end:
             return True
         if self.batches is None:  # the next epoch
             return self.taken_end >= self.epoch - 1
@@ -239,9 +255,12 @@ class Channel:
         while not self.gate_open():
             if self.stop.is_set():
                 return False
+            if self.after_error:
+                return True  # the caller pauses: see produce()
             self.wake.wait(POLL_S)
             self.wake.clear()
         return not self.stop.is_set()
+
 
     def ask_for_end(self) -> None:
         """Consumer side: it asks for what follows the epoch's last batch."""
@@ -392,9 +411,12 @@ def produce(channel: Channel) -> None:
 
     Every batch pulled from the source is sent, even when a stop arrives meanwhile, so that a
     one-shot source loses nothing. The source's iterator is let go here, in this thread, when
-    the loop ends (a DataLoader's workers shut down with it).
+    the loop ends (a DataLoader's workers shut down with it). After an error in one batch the
+    thread ends but leaves the iterator to the channel (``after_error``): a loop that stops at
+    the error leaves nothing running, and one that goes on starts a new producer.
     """
     _live.add(channel)
+    paused = False
     try:
         try:
             channel.staging.start_thread()
@@ -415,16 +437,22 @@ def produce(channel: Channel) -> None:
                     # The consumer pulled the end or an error itself, or let this channel go
                     # (and may now touch the source itself: no pull may start after a stop).
                     return
+                if channel.after_error:
+                    channel.slots.release()  # the slot taken for a pull that will not happen
+                    paused = True
+                    return
                 message = channel.pull()
                 channel.put(message)
             kind = message[0]
             del message  # the consumer owns the batch now
             if kind is FAILED or (kind is END and not channel.epochs.across_epochs):
                 return
+        paused = channel.after_error and not channel.stop.is_set()
     finally:
-        with channel.pull_lock:
-            channel.batches, channel.finished = None, True
-        channel.phase = "ended"
+        if not paused:
+            with channel.pull_lock:
+                channel.batches, channel.finished = None, True
+        channel.phase = "paused after an error" if paused else "ended"
         _live.discard(channel)
 
 

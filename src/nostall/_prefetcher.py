@@ -617,6 +617,8 @@ class PrefetchIterator(Iterator[T]):
                 raise StopIteration
         elif self._lineage.fork_generation != _channel.fork_generation:
             _check_not_forked(self._lineage)
+        if channel.after_error:
+            self._go_on_after_error(channel)  # the loop caught the error and asks for more
         if self._index == channel.expected:
             channel.ask_for_end()  # asked past the last batch: the source may now end
         return self._take(channel, channel.get(self._index, self._timeout))
@@ -768,6 +770,12 @@ class PrefetchIterator(Iterator[T]):
         self._index = channel.pulled  # a resumed epoch starts after the batches already seen
         channel.expected = epochs.length()
         lineage.marks = epochs.marks()  # as this open left them (it may have set the epoch)
+        lineage.channel = channel if lineage.one_shot else None
+        self._launch(channel)
+        return channel
+
+    def _launch(self, channel: Channel) -> None:
+        """Start a producer thread for ``channel`` (no other may be running for it)."""
         # Start this thread's intra-op pool now, with its own count: the producer sets one
         # thread for itself, and a pool started after that would read its count (1).
         self._threads = torch.get_num_threads()
@@ -778,10 +786,22 @@ class PrefetchIterator(Iterator[T]):
             daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
         )
         channel.thread = thread
-        lineage.thread = thread
-        lineage.channel = channel if lineage.one_shot else None
+        self._lineage.thread = thread
         thread.start()
-        return channel
+
+    def _go_on_after_error(self, channel: Channel) -> None:
+        """The loop caught an error in one batch and asks for the next: resume producing.
+
+        The producer paused (ended) after the error, so that a loop that stops there leaves
+        nothing running; the source's iterator is still the channel's, and a new producer
+        goes on from the batch after the failed one.
+        """
+        thread = channel.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()  # it is pausing: it waits on nothing once after_error is set
+        channel.after_error = False
+        if not channel.finished and not channel.stop.is_set():
+            self._launch(channel)
 
     def _follow_outside_set_epoch(self) -> bool:
         """Before a fresh epoch opens: adopt an epoch set on the sampler by someone else.
