@@ -261,7 +261,6 @@ class Channel:
             self.wake.clear()
         return not self.stop.is_set()
 
-
     def ask_for_end(self) -> None:
         """Consumer side: it asks for what follows the epoch's last batch."""
         self.asks_for_end = True
