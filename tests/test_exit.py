@@ -12,7 +12,10 @@ import time
 import pytest
 
 PRELUDE = """
-import sys, time, threading
+import signal, sys, time, threading
+# A process started in the background of a non-interactive shell inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: put it back, as an interactive run has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 from torch.utils.data import DataLoader
 import nostall
