@@ -128,11 +128,16 @@ class Prefetcher(Generic[T]):
           iteration (``break``, ``del``, garbage collection) stops its thread within
           ``POLL_S`` seconds, or as soon as the source's ``__next__`` returns.
 
-    Epochs: the prefetcher counts them (:attr:`epoch`, from 0 or the last :meth:`set_epoch`).
-    With ``across_epochs=True`` the producer does not stop at an epoch's end: it calls the
-    source's ``set_epoch(e + 1)`` and starts epoch e + 1 at once, still within ``depth``; the
-    next ``iter()`` continues from there. ``set_epoch(k)`` for the epoch already started ahead
-    changes nothing; any other ``k`` discards what was fetched ahead.
+    Epochs: the prefetcher counts them (:attr:`epoch`, from 0 or the last :meth:`set_epoch`),
+    and follows an epoch set on the sampler directly (Lightning's way), read from its ``epoch``
+    attribute before the next epoch starts. A source with a length is never asked past its
+    ``len()`` batches before the consumer asks; a new ``iter()`` after all of them counts the
+    epoch complete. With ``across_epochs=True`` the next epoch is opened (``set_epoch(e + 1)``,
+    its order drawn) when the consumer takes the end of epoch e, or, once the consumer has shown
+    that it asks for each end, as soon as the producer reaches it, still within ``depth``; the
+    next ``iter()`` continues from there unless the sampler's epoch changed meanwhile.
+    ``set_epoch(k)`` for the epoch already started ahead changes nothing; any other ``k``
+    discards what was fetched ahead. An error in one batch does not end the epoch.
 
     State: :meth:`state_dict` counts batches handed to the user, never batches fetched ahead;
     :meth:`load_state_dict` on a fresh prefetcher over an identically built source resumes
