@@ -734,3 +734,24 @@ def test_a_framework_that_never_asks_for_the_end_never_exhausts_the_sampler() ->
         if wrap:
             source.close()
     assert torch.equal(generator_states[0], generator_states[1])
+
+
+def test_leaving_an_epoch_early_after_the_next_opened_ahead() -> None:
+    """The loop leaves epoch 1 early, after epoch 2 was opened ahead, then sets 2 itself.
+
+    Epoch 2's order follows, never epoch 1's again.
+    """
+    reference = reference_orders(distributed_loader, 3)
+    loader = distributed_loader()
+    n = len(loader)
+    p = nostall.prefetch(loader, "cpu", depth=4, across_epochs=True)
+    assert reference[0] == epoch_lists(p)  # asks for the end: epochs now open ahead
+    p.set_epoch(1)
+    it = iter(p)
+    assert reference[1][: 3 * (n - 1)] == epoch_lists([next(it) for _ in range(n - 1)])
+    assert wait_until(lambda: 2 == loader.sampler.epoch)  # type: ignore[attr-defined]
+    del it  # the loop left epoch 1 before its last batch
+    loader.sampler.set_epoch(2)  # type: ignore[attr-defined]
+    assert reference[2] == epoch_lists(p)
+    assert 3 == p.epoch
+    p.close()

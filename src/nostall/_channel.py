@@ -133,8 +133,6 @@ class Channel:
         #: (``STALE`` when they changed while it was drawn), and before each was opened here.
         self.marks: dict[int, Any] = {}
         self.open_marks: dict[int, Any] = {}
-        #: The marks right after this producer called ``set_epoch`` itself, by epoch.
-        self.forwarded: dict[int, Any] = {}
 
     # -- either side, holding pull_lock ----------------------------------------------------------
 
@@ -153,7 +151,6 @@ class Channel:
                 if self.taken_end < epoch - 1:
                     # Ahead of a consumer that asks for each end: nostall counts the epochs.
                     epochs.forward_epoch(epoch)
-                    self.forwarded[epoch] = epochs.marks()
                 self.open_marks[epoch] = epochs.marks()
             try:
                 self.batches, self.pulled = epochs.open(epoch, forward=False)

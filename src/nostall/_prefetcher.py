@@ -521,9 +521,6 @@ class _Lineage:
         self.fork_generation = _channel.fork_generation
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
         self.checked_world = False
-        #: The channel of the last iteration stopped early, or of a run-ahead discarded: what
-        #: its producer set on the sampler itself is nostall's doing, not the user's.
-        self.stopped: Channel | None = None
 
     def active_iteration(self) -> PrefetchIterator[Any] | None:
         return self.active() if self.active is not None else None
@@ -537,7 +534,6 @@ class _Lineage:
         """
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            self.stopped = ahead
             ahead.wake_to_stop()
             if wait:
                 with ahead.pull_lock:
@@ -716,16 +712,13 @@ class PrefetchIterator(Iterator[T]):
             if _opened_with_current_epoch(ahead, lineage):
                 self._state, self._channel, self._index = _RUNNING, ahead, 0
                 return ahead  # across epochs: this epoch is already being fetched
-            lineage.stopped = ahead
             ahead.wake_to_stop()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
-        stopped, lineage.stopped = lineage.stopped, None
-        if stopped is not None and lineage.epochs.marks() in stopped.forwarded.values():
-            # Its producer opened the next epoch ahead before it was stopped: the sampler's
-            # epoch is nostall's doing, and nostall's count (set again below) still holds.
-            lineage.marks = lineage.epochs.marks()
+        # (An iteration stopped just after its producer opened the next epoch ahead leaves the
+        # sampler at that epoch; that reads as an outside set_epoch, and is followed: a user who
+        # set the same epoch on the sampler cannot be told apart, and must not get the old one.)
         outside = self._follow_outside_set_epoch()
         forward = lineage.epochs.across_epochs and not outside
         if lineage.pending_transform_state is not None:
@@ -875,7 +868,6 @@ class PrefetchIterator(Iterator[T]):
         self._state = _STOPPED
         self._stopped_why = why
         if self._channel is not None:
-            self._lineage.stopped = self._channel
             self._channel.wake_to_stop()
             self._channel = None
 
