@@ -102,7 +102,7 @@ def tune_vs_grid() -> None:
                 factory, Setting(workers, depth), cpu, batches=40
             )[0]
     best_setting = max(grid, key=lambda s: grid[s])
-    result = nostall.tune(factory, budget=300, device="cpu")
+    result = nostall.tune(factory, max_batches=300, device="cpu")
     chosen = measure(factory, result.best, cpu, batches=40)[0]
     epoch = len(factory())
     print("grid (samples/s, 40 timed batches each):")

@@ -82,11 +82,53 @@ def test_bad_config_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     assert "io_share must be between 0 and 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--contenders", "no such contender"], "unknown contenders ['no such contender']"),
+        (["--device", "nonsense"], "device='nonsense' does not name a device"),
+        (["--device", "cuda:x"], "device='cuda:x' does not name a device"),
+    ],
+)
+def test_bench_configuration_errors_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the bench refuses before measuring: one line naming the command, exit status 2."""
+    assert 2 == main(["bench", *argv, "--no-progress"])
+    err = capsys.readouterr().err
+    assert 1 == len(err.strip().splitlines()), err
+    assert err.startswith("nostall bench: error: ")
+    assert message in err
+
+
+def test_an_error_while_benchmarking_is_not_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ValueError raised while measuring propagates with its traceback, not as exit 2."""
+
+    def run_bench_that_fails(config: object) -> None:
+        raise ValueError("a figure went wrong")
+
+    monkeypatch.setattr("nostall.bench.run_bench", run_bench_that_fails)
+    with pytest.raises(ValueError, match="a figure went wrong") as info:
+        main(["bench", "--device", "cpu", "--no-progress"])
+    assert "run_bench_that_fails" in [entry.name for entry in info.traceback]
+
+
+def test_help_states_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help says which errors are usage errors (2) and which keep their traceback."""
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "2 bad usage" in out
+    assert "shown with its traceback" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_bench_on_missing_cuda_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     """A device that is not here: exit 2 and a message saying what to pass."""
     assert 2 == main(["bench", "--device", "cuda", "--batches", "2"])
-    assert "device='cpu'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "device='cpu'" in err
+    assert 1 == len(err.strip().splitlines()), err
 
 
 def test_tiny_bench_prints_the_table_and_writes_files(

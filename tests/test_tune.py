@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import traceback
 from typing import Any
 
 import pytest
@@ -79,9 +80,9 @@ def test_measure_gives_the_loaders_rate() -> None:
 # -- tune ----------------------------------------------------------------------------------------
 
 
-def test_tune_stays_within_its_budget() -> None:
+def test_tune_stays_within_max_batches() -> None:
     """Few batches spent, starting from the plain setting; the best is one it tried."""
-    result = nostall.tune(factory, budget=300, device="cpu", max_workers=2)
+    result = nostall.tune(factory, max_batches=300, device="cpu", max_workers=2)
     long_epoch = len(factory())  # 2,500 batches
     assert result.batches_spent <= 0.03 * long_epoch * 4  # 300: 3% of a 10,000-batch epoch
     assert result.batches_spent <= 300
@@ -90,7 +91,7 @@ def test_tune_stays_within_its_budget() -> None:
 
 
 @pytest.mark.perf
-def test_tune_finds_parallel_loading_within_budget() -> None:
+def test_tune_finds_parallel_loading_within_max_batches() -> None:
     """Against a grid of every setting, tune gets close to the best (``make test-perf``)."""
     cpu = torch.device("cpu")
     grid = {
@@ -98,13 +99,87 @@ def test_tune_finds_parallel_loading_within_budget() -> None:
         for s in (Setting(w, d) for w in (0, 2) for d in (2, 4, 8))
     }
     best_grid = max(grid.values())
-    result = nostall.tune(factory, budget=300, device="cpu", max_workers=2)
+    result = nostall.tune(factory, max_batches=300, device="cpu", max_workers=2)
     assert result.samples_per_s >= 0.8 * best_grid, (result, grid)  # 95% in quiet conditions
     assert 2 == result.best.num_workers
 
 
 def test_tune_without_a_num_workers_knob_tunes_depth_only() -> None:
     """A factory that takes no settings still gets a depth."""
-    result = nostall.tune(lambda: DataLoader(Sleepy(400), batch_size=8), budget=60, device="cpu")
+    result = nostall.tune(
+        lambda: DataLoader(Sleepy(400), batch_size=8), max_batches=60, device="cpu"
+    )
     assert result.best.num_workers is None
     assert result.best.depth is not None
+
+
+@pytest.mark.parametrize("max_batches", [14, 15, 16, 29, 30])
+def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
+    """Once the first trial (14 batches here) fits, every batch pulled counts and fits.
+
+    The batch that weighs a batch for the depth limit included: it is pulled only when a depth
+    trial can follow within ``max_batches``.
+    """
+
+    def quick() -> DataLoader[torch.Tensor]:
+        return DataLoader(Sleepy(400, delay=0.0), batch_size=8)
+
+    result = nostall.tune(quick, max_batches=max_batches, device="cpu")
+    assert 14 <= result.batches_spent <= max_batches
+    assert len(result.curve) == 1 + (max_batches >= 14 + 1 + 14)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_batches": 300.0}, TypeError, "nostall.tune(max_batches=...) must be an int >= 1"),
+        ({"max_batches": True}, TypeError, "nostall.tune(max_batches=...) must be an int >= 1"),
+        ({"max_batches": 0}, ValueError, "nostall.tune(max_batches=...) must be >= 1"),
+        ({"max_workers": -1}, ValueError, "nostall.tune(max_workers=...) must be >= 0"),
+        ({"max_workers": "2"}, TypeError, "nostall.tune(max_workers=...) must be an int >= 0"),
+        ({"batches_per_trial": 0}, ValueError, "nostall.tune(batches_per_trial=...) must be >= 1"),
+        ({"threshold": "5%"}, TypeError, "nostall.tune(threshold=...) must be a number"),
+        ({"threshold": -0.1}, ValueError, "nostall.tune(threshold=...) must be a number >= 0"),
+        ({"threshold": float("nan")}, ValueError, "nostall.tune(threshold=...) must be"),
+        ({"step": "train:step"}, TypeError, "nostall.tune(step=...) must be a function or None"),
+        ({"device": "nonsense"}, ValueError, "device='nonsense' does not name a device"),
+    ],
+)
+def test_tune_checks_its_arguments(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Wrong types raise TypeError, wrong values ValueError, naming the argument and the value."""
+    with pytest.raises(error) as info:
+        nostall.tune(factory, **kwargs)
+    assert message in str(info.value)
+
+
+def test_tune_refuses_a_loader_in_place_of_its_factory() -> None:
+    """The loader itself where its factory is wanted: a TypeError saying what to pass."""
+    with pytest.raises(
+        TypeError,
+        match=r"nostall.tune\(factory=...\) must be a function .*make_loader, not make_loader\(\)",
+    ):
+        nostall.tune(factory(), max_batches=20, device="cpu")  # type: ignore[arg-type]
+
+
+def decode_sample(i: int) -> torch.Tensor:
+    raise ValueError(f"bad sample {i}")
+
+
+class Broken(Dataset[torch.Tensor]):
+    """Every sample fails, as a corrupt file would, in the user's own function."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return decode_sample(i)
+
+
+def test_an_error_in_the_users_dataset_reaches_the_caller_itself() -> None:
+    """Raised in the prefetcher's thread during a trial: the same ValueError, with its frame."""
+    with pytest.raises(ValueError, match="bad sample 0") as info:
+        nostall.tune(lambda: DataLoader(Broken(), batch_size=2), max_batches=20, device="cpu")
+    text = "".join(traceback.format_exception(info.type, info.value, info.tb))
+    assert "in decode_sample" in text

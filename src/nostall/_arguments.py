@@ -142,3 +142,25 @@ def size(owner: str, name: str, value: object) -> tuple[int, int]:
     if sides[0] <= 0 or sides[1] <= 0:
         raise ValueError(f"{owner}({name}=...) must be > 0 (got {name}={value!r})")
     return int(sides[0]), int(sides[1])
+
+
+def integer(owner: str, name: str, value: object, *, low: int, example: int) -> int:
+    """An int >= ``low`` (``bool`` refused: ``True`` is no count)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{owner}({name}=...) must be an int >= {low} ({received(value)}); pass e.g. "
+            f"{name}={example}"
+        )
+    if value < low:
+        raise ValueError(
+            f"{owner}({name}=...) must be >= {low} (got {name}={value}); pass e.g. {name}={example}"
+        )
+    return value
+
+
+def function(owner: str, name: str, value: object, *, optional: bool = False, hint: str) -> None:
+    """A callable (or ``None`` where ``optional``); ``hint`` says what to pass instead."""
+    if callable(value) or (optional and value is None):
+        return
+    choices = "a function or None" if optional else "a function"
+    raise TypeError(f"{owner}({name}=...) must be {choices} ({received(value)}); {hint}")

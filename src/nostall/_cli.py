@@ -1,13 +1,25 @@
-"""The ``nostall`` command line. Each subcommand calls a library function usable from Python."""
+"""The ``nostall`` command line. Each subcommand calls a library function usable from Python.
+
+Exit statuses: 0 when the command did its work; 2 for bad usage, meaning what was typed on the
+command line cannot work: argparse's own errors (with the usage line) and a
+:class:`~nostall._exceptions.ConfigurationError` (one line, ``nostall CMD: error: ...``). Nothing
+else is turned into a usage error: an exception raised while measuring, a ``ValueError`` from the
+user's dataset or step included, propagates with its traceback (Python prints it, status 1), so
+that the user sees the line of their own code that failed.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from . import __version__
+from ._exceptions import ConfigurationError, DeviceUnavailableError
+
+if TYPE_CHECKING:
+    import torch
 
 N = TypeVar("N", int, float)
 
@@ -42,6 +54,12 @@ _count = _number(int, 1, strict=False)
 _positive = _number(float, 0, strict=True)
 
 
+_EXIT_STATUS = (
+    "exit status: 0 done; 2 bad usage (a flag, a MODULE:FUNC that cannot be loaded, a device "
+    "that is not here); an exception raised by your own code is shown with its traceback (1)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the ``nostall`` command."""
     from .bench import BenchConfig
@@ -50,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nostall",
         description="Keep the GPU fed: find and remove input-pipeline stalls in PyTorch training.",
+        epilog=_EXIT_STATUS,
     )
     parser.add_argument("--version", action="version", version=f"nostall {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -214,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
             "then search loader settings with and without nostall.prefetch within the CPU and "
             "memory budgets, and say what to change."
         ),
+        epilog=_EXIT_STATUS,
     )
     doctor.add_argument(
         "factory",
@@ -231,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu, cuda or cuda:N (default: CUDA when available, else cpu)",
     )
     doctor.add_argument(
-        "--budget",
+        "--max-batches",
         type=_count,
         default=300,
         help="the most batches the settings search may pull (default: %(default)s)",
@@ -245,16 +265,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``nostall`` command; returns the exit status (2 for bad usage)."""
+    """Run the ``nostall`` command; returns the exit status (2 for bad usage).
+
+    Only a :class:`ConfigurationError` is reported as bad usage; every other exception
+    propagates unchanged (see the module docstring).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _bench(args, parser)
-    if args.command == "doctor":
-        return _doctor(args)
-    if args.command == "devices":
-        return _devices(args)
-    return 0
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "bench": _bench,
+        "doctor": _doctor,
+        "devices": _devices,
+    }
+    try:
+        return commands[args.command](args)
+    except ConfigurationError as e:
+        print(f"nostall {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _device(device: str | None) -> torch.device:
+    """``--device``, checked before any measuring: one that names nothing here is bad usage.
+
+    Resolved here, at the command line, rather than where the library resolves it again: a
+    device error raised later (by the user's own code, say) is not the user's ``--device``.
+    """
+    from ._device import resolve_device
+
+    try:
+        return resolve_device(device)
+    except (TypeError, ValueError, DeviceUnavailableError) as e:
+        raise ConfigurationError(str(e)) from e
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -272,21 +313,19 @@ def _devices(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from ._doctor import diagnose, load_callable, write_reports
-    from ._exceptions import DeviceUnavailableError
 
     def say(line: str) -> None:
         if not args.no_progress:
             print(line, file=sys.stderr, flush=True)
 
-    try:
-        factory = load_callable(args.factory, "the loader factory")
-        step = load_callable(args.step, "--step") if args.step else None
-        diagnosis = diagnose(
-            factory, step=step, device=args.device, budget=args.budget, progress=say
-        )
-    except (DeviceUnavailableError, ValueError) as e:
-        print(f"nostall doctor: error: {e}", file=sys.stderr)
-        return 2
+    device = _device(args.device)
+    factory = load_callable(args.factory, "the loader factory")
+    step = load_callable(args.step, "--step") if args.step else None
+    # Not wrapped: what the user's factory, dataset or step raises here keeps its traceback.
+    # A factory that builds no iterable is a ConfigurationError, reported by main().
+    diagnosis = diagnose(
+        factory, step=step, device=device, max_batches=args.max_batches, progress=say
+    )
     print(diagnosis.summary())
     write_reports(diagnosis, args.json, args.html)
     for path in (args.json, args.html):
@@ -295,19 +334,19 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ._exceptions import DeviceUnavailableError
+def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, format_report, run_bench, write_json, write_plot
 
     if args.plot:  # fail before minutes of measuring, not after
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print(
-                "nostall bench: error: --plot needs matplotlib: pip install 'nostall[plot]'",
-                file=sys.stderr,
-            )
-            return 2
+            raise ConfigurationError(
+                "--plot needs matplotlib: pip install 'nostall[plot]'"
+            ) from None
+    _device(args.device)  # checked now; the config keeps what was typed (--json shows it)
+    # The options argparse let through but the bench refuses are bad usage; nothing else is:
+    # what run_bench raises below is a failure, shown with its traceback.
     try:
         config = BenchConfig(
             batches=args.batches,
@@ -330,10 +369,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             transform_image_size=args.transform_image_size,
             progress=not args.no_progress,
         )
-        result = run_bench(config)
-    except (DeviceUnavailableError, ValueError) as e:
-        print(f"nostall bench: error: {e}", file=sys.stderr)
-        return 2
+    except (TypeError, ValueError) as e:
+        raise ConfigurationError(str(e)) from e
+    result = run_bench(config)
     print(format_report(result))
     if args.json:
         write_json(result, args.json)

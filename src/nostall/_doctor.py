@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _arguments
 from ._device import DeviceLike, resolve_device
+from ._exceptions import ConfigurationError
 from ._timing import synchronize
 from ._transfer import to_device
 from ._tree import batch_size_of
@@ -30,40 +32,60 @@ DEFAULT = Setting(None, None)
 def load_callable(spec: str, what: str) -> Callable[..., Any]:
     """Import ``MODULE:NAME`` (the current directory first on the path) and check it is callable.
 
+    Only what the spec itself gets wrong is a :class:`ConfigurationError`: a malformed spec, a
+    module that does not exist, a missing name, a name that is not callable. An exception raised
+    while the user's module runs its top level (a ``ValueError``, or an ``ImportError`` of one of
+    *its* imports) is the user's code failing: it propagates unchanged, with its traceback.
+
     Raises:
-        ValueError: the spec is malformed, the module or name is missing, or it is not callable;
-            the message says which and how to fix it.
+        ConfigurationError: (a ``ValueError``) the spec is malformed, the module or name is
+            missing, or it is not callable; the message says which and how to fix it.
     """
     module_name, sep, name = spec.partition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"{what} must be MODULE:FUNCTION, e.g. mytrain:make_loader (got {spec!r})")
+    if not sep or not module_name or not name or module_name.startswith("."):
+        raise ConfigurationError(
+            f"{what} must be MODULE:FUNCTION with an absolute module name, e.g. "
+            f"mytrain:make_loader (got {spec!r})"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {module_name!r} for {what}: {e}") from e
+    except ModuleNotFoundError as e:
+        if not _is_the_spec(e.name, module_name):
+            raise  # the module exists; one of its own imports failed, in the user's code
+        raise ConfigurationError(f"cannot import module {module_name!r} for {what}: {e}") from e
     try:
         target = getattr(module, name)
     except AttributeError:
-        raise ValueError(
+        raise ConfigurationError(
             f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute "
             f"{name!r} for {what}"
         ) from None
     if not callable(target):
-        raise ValueError(
+        raise ConfigurationError(
             f"{spec} is a {type(target).__name__}, not a function; {what} must be callable"
         )
     return target  # type: ignore[no-any-return]
 
 
+def _is_the_spec(missing: str | None, module_name: str) -> bool:
+    """Whether the module found missing is ``module_name`` or one of its parent packages."""
+    return missing is not None and (missing == module_name or module_name.startswith(missing + "."))
+
+
 def _checked(factory: Factory) -> Factory:
-    """The factory, failing clearly when it does not build an iterable."""
+    """The factory, failing clearly when it does not build an iterable.
+
+    What the factory raises itself is the user's code failing and propagates untouched; only a
+    return value that cannot be iterated is a :class:`ConfigurationError` (the spec names the
+    wrong function).
+    """
 
     def build(**kwargs: Any) -> Iterable[Any]:
         loader = factory(**kwargs)
         if not callable(getattr(type(loader), "__iter__", None)):
-            raise ValueError(
+            raise ConfigurationError(
                 f"the factory returned a {type(loader).__name__}, not an iterable loader; it "
                 f"should return a DataLoader (or any iterable of batches)"
             )
@@ -198,14 +220,43 @@ def diagnose(
     *,
     step: Step | None = None,
     device: DeviceLike = None,
-    budget: int = 300,
+    max_batches: int = 300,
     progress: Callable[[str], None] | None = None,
 ) -> Diagnosis:
     """Measure the user's loader (and step), search for a faster setting, and say what to do.
 
+    Args:
+        factory: builds the loader (see :mod:`nostall._tune`).
+        step: the training step, called with a batch on the device.
+        device: where batches go (default: CUDA when available).
+        max_batches: the most batches the settings search (:func:`nostall.tune`) may pull; the
+            fixed measurements around it pull up to 43 more (14 for each of the three loops
+            timed, one for the step).
+        progress: called with a line as each of the five phases starts.
+
+    Exceptions raised by ``factory``, by the loaders it builds or by ``step`` propagate
+    unchanged, with their tracebacks: they are the user's code failing, not a diagnosis.
+
     Raises:
-        ValueError: the factory does not return an iterable.
+        ConfigurationError: (a ``ValueError``) the factory does not return an iterable.
+        TypeError: ``factory``, ``step`` or ``progress`` is not callable, ``max_batches`` not
+            an int; ``device`` of a type that names no device.
+        ValueError: ``max_batches`` < 1; ``device`` names no device.
+        DeviceUnavailableError: ``device`` is not on this machine.
     """
+    _arguments.function(
+        "diagnose",
+        "factory",
+        factory,
+        hint="pass the function that builds your loader (make_loader, not make_loader())",
+    )
+    _arguments.function(
+        "diagnose", "step", step, optional=True, hint="pass your training step, step(batch)"
+    )
+    _arguments.integer("diagnose", "max_batches", max_batches, low=1, example=300)
+    _arguments.function(
+        "diagnose", "progress", progress, optional=True, hint="pass e.g. progress=print"
+    )
     dev = resolve_device(device)
     say = progress or (lambda _: None)
     build = _checked(factory)
@@ -217,8 +268,8 @@ def diagnose(
         step_rate = _step_rate(build, step, dev)
     say("[3/5] the loop as built: loading and step together")
     loop_rate, _ = measure(build, DEFAULT, dev, batches=12, step=step)
-    say(f"[4/5] searching loader settings with nostall.prefetch (at most {budget} batches)")
-    tuned = tune(build, budget=budget, device=dev, step=step)
+    say(f"[4/5] searching loader settings with nostall.prefetch (at most {max_batches} batches)")
+    tuned = tune(build, max_batches=max_batches, device=dev, step=step)
     say("[5/5] the best loader settings without nostall")
     plain = Setting(tuned.best.num_workers, None)
     plain_rate, _ = measure(build, plain, dev, batches=12, step=step)

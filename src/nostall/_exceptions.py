@@ -84,3 +84,15 @@ class PrefetchTimeoutError(NostallError, TimeoutError):
     ) -> None:
         super().__init__(message)
         self.timeout, self.batch, self.phase, self.thread = timeout, batch, phase, thread
+
+
+class ConfigurationError(NostallError, ValueError):
+    """What was configured on the ``nostall`` command line cannot work (private, not exported).
+
+    A ``MODULE:FUNC`` spec that cannot be imported, found or called, a factory that does not
+    build an iterable, a ``--device`` that names no device here, bench options the bench
+    refuses. The command line reports these, and only these, as usage errors (one line, exit
+    status 2): any other exception, a ``ValueError`` from the user's own code included, keeps
+    its traceback. A ``ValueError`` too, so that Python callers of the functions that raise it
+    (``load_callable``, ``diagnose``) catch it as they always have.
+    """

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_device
 from ._prefetcher import prefetch
@@ -144,7 +145,7 @@ def measure(
 def tune(
     factory: Factory,
     *,
-    budget: int = 300,
+    max_batches: int = 300,
     device: DeviceLike = None,
     step: Step | None = None,
     max_workers: int | None = None,
@@ -154,18 +155,45 @@ def tune(
     """Hill-climb ``num_workers`` and prefetch depth; return the best setting and the curve.
 
     Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count),
-    then the depth goes 1, 2, 4, ... up to what half of the free memory holds, each while a step
-    gains at least ``threshold`` (5%). No trial starts once ``budget`` batches are spent.
+    then the depth goes 4, 8, ... up to what half of the free memory holds, each while a step
+    gains at least ``threshold`` (5%). A trial starts only while it fits in what is left of
+    ``max_batches``, so ``batches_spent <= max_batches``, with one exception: the first trial
+    always runs (a result needs one): a ``max_batches`` below ``batches_per_trial + 2`` (its
+    start-up and timed batches) spends that many anyway.
 
     Args:
         factory: builds the loader; see the module docstring.
-        budget: the most batches all trials together may pull.
+        max_batches: the most batches all trials together may pull from the loaders built.
         device: where batches go (default: CUDA when available).
         step: the training step, when the loop's rate should include it.
-        max_workers: the CPU budget.
+        max_workers: the CPU budget: the most ``num_workers`` tried (default: the core count).
         threshold: the smallest relative gain worth another step.
         batches_per_trial: batches timed per trial (after two start-up batches).
+
+    Raises:
+        TypeError: an argument of the wrong type (``factory`` or ``step`` not callable, a count
+            that is not an int, a ``threshold`` that is not a number).
+        ValueError: a count below its minimum, a negative ``threshold``.
     """
+    _arguments.function(
+        "nostall.tune",
+        "factory",
+        factory,
+        hint="pass the function that builds your loader (make_loader, not make_loader())",
+    )
+    _arguments.integer("nostall.tune", "max_batches", max_batches, low=1, example=300)
+    _arguments.function(
+        "nostall.tune", "step", step, optional=True, hint="pass your training step, step(batch)"
+    )
+    if max_workers is not None:
+        _arguments.integer("nostall.tune", "max_workers", max_workers, low=0, example=8)
+    gain = _arguments.number("nostall.tune", "threshold", threshold)
+    if not gain >= 0:  # NaN fails too: it would end every climb at its first step
+        raise ValueError(
+            f"nostall.tune(threshold=...) must be a number >= 0 (got threshold={threshold}); "
+            f"pass e.g. threshold=0.05, a 5% gain"
+        )
+    _arguments.integer("nostall.tune", "batches_per_trial", batches_per_trial, low=1, example=12)
     dev = resolve_device(device)
     knobs = accepted_knobs(factory)
     cores = max_workers if max_workers is not None else (os.cpu_count() or 1)
@@ -180,7 +208,7 @@ def tune(
         return rate
 
     def affordable() -> bool:
-        return spent + batches_per_trial + 2 <= budget
+        return spent + batches_per_trial + 2 <= max_batches
 
     # With nostall, num_workers=0 already loads in a background thread, as one worker would: the
     # climb goes 0, 2, 4, ... so that a flat first step does not end it early.
@@ -204,10 +232,13 @@ def tune(
                 return
 
     climb(Setting(workers, 2) for workers in workers_choices[1:])
-    depth_limit = _depth_limit(factory, best, dev)
-    spent += 1  # the batch that showed the size
-    workers = best.num_workers
-    climb(Setting(workers, 2**k) for k in range(2, 6) if 2**k <= depth_limit)
+    # Weighing a batch for the depth limit pulls one more: only worth it (and only within
+    # max_batches) when a depth trial can follow.
+    if spent + 1 + batches_per_trial + 2 <= max_batches:
+        depth_limit = _depth_limit(factory, best, dev)
+        spent += 1  # the batch that showed the size
+        workers = best.num_workers
+        climb(Setting(workers, 2**k) for k in range(2, 6) if 2**k <= depth_limit)
     return TuneResult(best, best_rate, curve, spent)
 
 
