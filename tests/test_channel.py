@@ -1,168 +1,185 @@
-"""The bounded channel and the producer loop, driven directly."""
+"""The bounded hand-off, driven directly: slots, order, timeouts, a dead producer, auto growth."""
 
 from __future__ import annotations
 
-import itertools
 import threading
-import time
-from collections.abc import Iterable, Iterator
-from typing import Any
 
 import pytest
 import torch
-from helpers import settle, wait_until
 
 from nostall import PrefetchTimeoutError, ProducerDiedError
-from nostall._channel import BATCH, END, ERROR, Channel, add_note
-from nostall._epochs import EpochSource
-from nostall._producer import produce, stop_all_producers
-from nostall._transfer import Staging
-
-CPU = torch.device("cpu")
+from nostall._channel import BATCH, END, Channel, Message
 
 
-def start(channel_depth: int, describe: str, batches: Iterable[Any]) -> Channel:
-    channel = Channel(channel_depth, describe, iter(batches), Staging(CPU), EpochSource([], False))
-    thread = threading.Thread(
-        target=produce, args=(channel,), name="nostall-test-producer", daemon=True
-    )
-    channel.thread = thread
-    thread.start()
-    return channel
+def message(i: int, kind: str = BATCH) -> Message:
+    return kind, torch.tensor(i), 0, None, None
 
 
-def test_messages_in_order_then_end() -> None:
-    """Batches arrive in order, then the end with the count."""
-    channel = start(2, "list", [torch.tensor(i) for i in range(5)])
-    kinds = [channel.get(i, None) for i in range(6)]
-    assert [BATCH] * 5 + [END] == [m[0] for m in kinds]
-    assert [0, 1, 2, 3, 4] == [int(m[1].batch) for m in kinds[:5]]
-    assert 5 == kinds[5][1]
+def never() -> bool:
+    return False
+
+
+def live_producer(channel: Channel) -> threading.Event:
+    """A "producer" thread that stays alive until the returned event is set."""
+    done = threading.Event()
+    channel.thread = threading.Thread(target=done.wait, args=(30,), name="nostall-test-fake")
+    channel.thread.start()
+    return done
+
+
+def test_messages_come_out_in_the_order_they_were_put() -> None:
+    channel = Channel(3, "list")
+    done = live_producer(channel)
+    for i in range(3):
+        assert channel.acquire(never)
+        channel.put(message(i))
+    assert [0, 1, 2] == [int(channel.get(i, None)[1]) for i in range(3)]
+    done.set()
 
 
 def test_slots_bound_what_is_in_flight() -> None:
-    """With nobody consuming, the producer pulls exactly depth batches."""
-    pulled = []
+    """With ``depth`` messages queued the producer cannot take another slot until one is taken."""
+    channel = Channel(2, "list")
+    done = live_producer(channel)
+    assert channel.acquire(never)
+    assert channel.acquire(never)
+    channel.put(message(0))
+    channel.put(message(1))
+    blocked = threading.Event()
+    got: list[bool] = []
 
-    def source() -> Iterator[torch.Tensor]:
-        for i in range(100):
-            pulled.append(i)
-            yield torch.tensor(i)
+    def third() -> None:
+        blocked.set()
+        got.append(channel.acquire(never))
 
-    channel = start(3, "gen", source())
-    wait_until(lambda: len(pulled) >= 3, "3 pulled")
-    settle()
-    assert 3 == len(pulled)
-    channel.stop.set()
-    assert channel.thread is not None
-    channel.thread.join(1)
-    assert not channel.thread.is_alive()
-    assert channel.batches is None  # the producer let the source's iterator go
-
-
-def test_error_message_carries_the_same_object() -> None:
-    """An error in the source is sent as the object, with a note."""
-    error = ValueError("v")
-
-    def source() -> Iterator[torch.Tensor]:
-        yield torch.tensor(0)
-        raise error
-
-    channel = start(2, "gen", source())
-    assert BATCH == channel.get(0, None)[0]
-    kind, payload, _, _, _ = channel.get(1, None)
-    assert ERROR == kind
-    assert payload is error
+    producer = threading.Thread(target=third)
+    producer.start()
+    blocked.wait(5)
+    assert not got  # still waiting (it polls; a free slot would have been taken at once)
+    channel.get(0, None)
+    producer.join(10)
+    assert [True] == got
+    done.set()
 
 
-def test_timeout_while_the_producer_is_busy() -> None:
-    """get() with a timeout names the phase the producer is in."""
-
-    def source() -> Iterator[torch.Tensor]:
-        time.sleep(0.5)
-        yield torch.tensor(0)
-
-    channel = start(1, "Slow", source())
-    with pytest.raises(PrefetchTimeoutError, match=r"from Slow; .* busy with next\(source\)"):
-        channel.get(0, 0.1)
-    assert BATCH == channel.get(0, None)[0]
+def test_acquire_gives_up_without_holding_a_slot() -> None:
+    channel = Channel(1, "list")
+    assert not channel.acquire(lambda: True)
+    assert channel.acquire(never)  # the slot is still free: give_up left none held
 
 
-def test_consumer_pulls_itself_when_the_producer_is_idle() -> None:
-    """Nothing queued and the producer not pulling: the consumer pulls, in order, no slot."""
-    batches = iter([torch.tensor(i) for i in range(3)])
-    channel = Channel(1, "list", batches, Staging(CPU), EpochSource([], False))
-    channel.thread = threading.current_thread()  # a live "producer" that never pulls
-    channel.slots.acquire()  # as if the producer held the only slot
-    out = [channel.get(i, None) for i in range(4)]
-    assert [BATCH, BATCH, BATCH, END] == [m[0] for m in out]
-    assert [0, 1, 2] == [int(m[1].batch) for m in out[:3]]
-    assert channel.batches is None
+def test_give_back_frees_the_slot() -> None:
+    channel = Channel(1, "list")
+    assert channel.acquire(never)
+    channel.give_back()
+    assert channel.acquire(never)
 
 
-def test_consumer_waits_while_the_producer_pulls() -> None:
-    """The producer inside next(source): the consumer waits for that batch; pulls never overlap."""
-    in_next = threading.Event()
-    spans: list[tuple[str, float, float]] = []
-
-    def source() -> Iterator[torch.Tensor]:
-        for i in range(4):
-            begin = time.monotonic()
-            in_next.set()
-            time.sleep(0.1)
-            spans.append((threading.current_thread().name, begin, time.monotonic()))
-            yield torch.tensor(i)
-
-    channel = start(1, "Slow", source())
-    in_next.wait(1)
-    out = [channel.get(i, None) for i in range(5)]
-    assert [0, 1, 2, 3] == [int(m[1].batch) for m in out[:4]]
-    assert "nostall-test-producer" == spans[0][0]  # the batch being pulled was waited for
-    for (_, _, end), (_, begin, _) in itertools.pairwise(spans):
-        assert end <= begin  # one puller at a time
+def test_wake_to_stop_releases_a_producer_waiting_for_a_slot() -> None:
+    channel = Channel(1, "list")
+    assert channel.acquire(never)
+    answers: list[bool] = []
+    producer = threading.Thread(target=lambda: answers.append(channel.acquire(never)))
+    producer.start()
+    channel.wake_to_stop()
+    producer.join(10)
+    assert [False] == answers
 
 
-def test_no_pull_here_with_a_timeout() -> None:
-    """With a timeout the consumer only waits, so that the timeout can fire."""
-    channel = Channel(1, "list", iter([torch.tensor(0)]), Staging(CPU), EpochSource([], False))
+def test_put_ready_grows_the_depth_to_hold_carried_messages() -> None:
+    """Messages carried over from a deeper channel: the depth grows, the invariant holds."""
+    channel = Channel(1, "list")
+    for i in range(3):
+        channel.put_ready(message(i))
+    assert 3 == channel.depth
     channel.thread = threading.current_thread()
-    with pytest.raises(PrefetchTimeoutError):
+    assert [0, 1, 2] == [int(channel.get(i, None)[1]) for i in range(3)]
+    for _ in range(3):  # every slot came back
+        assert channel.acquire(never)
+
+
+def test_timeout_names_what_the_producer_is_doing() -> None:
+    channel = Channel(1, "Slow", phase=lambda: "next(source) for batch 0")
+    done = live_producer(channel)
+    with pytest.raises(PrefetchTimeoutError, match=r"from Slow; .* busy with next\(source\)") as e:
         channel.get(0, 0.05)
+    assert (0, "next(source) for batch 0", "nostall-test-fake") == (
+        e.value.batch,
+        e.value.phase,
+        e.value.thread,
+    )
+    assert channel.acquire(never)  # nothing was lost: a message put now is the next one
+    channel.put(message(7))
+    assert 7 == int(channel.get(0, 1.0)[1])
+    done.set()
 
 
-def test_get_without_a_producer_raises() -> None:
-    """No thread and nothing queued: ProducerDiedError, not a hang."""
+def test_pull_here_is_asked_only_when_nothing_is_queued_and_no_timeout_is_set() -> None:
+    channel = Channel(1, "list")
+    done = live_producer(channel)
+    asked: list[int] = []
+
+    def pull_here() -> Message | None:
+        asked.append(1)
+        return message(9)
+
+    assert channel.acquire(never)
+    channel.put(message(0))
+    assert 0 == int(channel.get(0, None, pull_here)[1])  # queued: taken, not pulled here
+    assert 9 == int(channel.get(1, None, pull_here)[1])  # nothing queued: pulled here
+    assert 1 == len(asked)
+    assert channel.acquire(never)  # the message pulled here took no slot
+    channel.give_back()
+    with pytest.raises(PrefetchTimeoutError):
+        channel.get(2, 0.05, pull_here)  # with a timeout it only waits
+    assert 1 == len(asked)
+    done.set()
+
+
+def test_a_dead_producer_is_reported_not_waited_for() -> None:
+    channel = Channel(1, "x")
     with pytest.raises(ProducerDiedError):
-        Channel(1, "x", None, Staging(CPU), EpochSource([], False)).get(0, None)
-
-
-def test_dead_producer_is_reported_not_replaced() -> None:
-    """A dead producer with the source unfinished: an error, not a silent inline loop."""
-    channel = Channel(1, "list", iter([torch.tensor(0)]), Staging(CPU), EpochSource([], False))
-    channel.thread = threading.Thread(target=lambda: None)
+        channel.get(0, None)  # none at all
+    channel.thread = threading.Thread(target=lambda: None, name="nostall-test-dead")
     channel.thread.start()
     channel.thread.join()
-    with pytest.raises(ProducerDiedError):
-        channel.get(0, None)
+    with pytest.raises(ProducerDiedError, match="nostall-test-dead") as e:
+        channel.get(0, None, lambda: pytest.fail("a dead producer's source is not pulled here"))
+    assert "nostall-test-dead" == e.value.thread
 
 
-def test_stop_all_producers_stops_live_threads() -> None:
-    """The exit hook stops every live producer."""
-    channel = start(1, "gen", (torch.tensor(i) for i in range(1000)))
-    time.sleep(0.05)
-    stop_all_producers(timeout=2.0)
-    assert channel.thread is not None
-    assert not channel.thread.is_alive()
+def test_the_last_message_of_a_producer_that_ended_is_delivered() -> None:
+    channel = Channel(1, "x")
+
+    def produce_then_end() -> None:
+        assert channel.acquire(never)
+        channel.put(message(3, END))
+
+    channel.thread = threading.Thread(target=produce_then_end)
+    channel.thread.start()
+    channel.thread.join()
+    assert END == channel.get(0, None)[0]
 
 
-def test_add_note_without_add_note_support() -> None:
-    """On Python 3.10 the note is kept in __notes__ all the same."""
+def test_auto_depth_doubles_when_the_queue_runs_dry_up_to_its_limit() -> None:
+    channel = Channel(1, "list", max_depth=1)
+    done = live_producer(channel)
+    channel.limit_growth(4)
+    depths = []
+    for i in range(4):
+        channel.get(i, None, lambda i=i: message(i))  # type: ignore[misc]  # nothing queued each time: it grows
+        depths.append(channel.depth)
+    assert [2, 4, 4, 4] == depths
+    held = [channel.acquire(never) for _ in range(4)]
+    assert all(held)  # 4 slots, all free
+    done.set()
 
-    class OldStyle(Exception):
-        add_note = None  # type: ignore[assignment]
 
-    error = OldStyle()
-    del OldStyle.add_note
-    add_note(error, "first")
-    add_note(error, "second")
-    assert ["first", "second"] == error.__notes__
+def test_drain_frees_the_slots_of_what_it_takes() -> None:
+    channel = Channel(2, "list")
+    for i in range(2):
+        assert channel.acquire(never)
+        channel.put(message(i))
+    assert [0, 1] == [int(m[1]) for m in channel.drain()]
+    assert channel.acquire(never)
+    assert channel.acquire(never)

@@ -691,7 +691,7 @@ def staged_on_meta(batches: list[Any]) -> list[Any]:
 
     (The prefetcher itself refuses device="meta": nothing can be computed on what it yields.)
     """
-    from nostall._transfer import Staging
+    from nostall._staging import Staging
 
     staging = Staging(torch.device("meta"))
     return [staging.hand_out(staging.stage(b)) for b in batches]
@@ -906,7 +906,7 @@ def test_cuda_source_made_batches_are_waited_for_on_a_side_stream() -> None:
 @pytest.mark.parametrize("consumer", ["default", "side"])
 def test_cuda_canary_without_the_wait(monkeypatch: pytest.MonkeyPatch, consumer: str) -> None:
     """The check has teeth: without the consumer's wait, a read right away overtakes the copy."""
-    from nostall._transfer import CudaStaging
+    from nostall._staging import CudaStaging
 
     monkeypatch.setattr(CudaStaging, "_wait", lambda consumer, ready: None)
     # 16 MiB batches and a consumer that does nothing else: each read is queued while its
@@ -920,7 +920,7 @@ def test_cuda_canary_without_the_wait(monkeypatch: pytest.MonkeyPatch, consumer:
 @pytest.mark.parametrize("consumer", ["default", "side"])
 def test_cuda_canary_without_record_stream(monkeypatch: pytest.MonkeyPatch, consumer: str) -> None:
     """The check has teeth: without record_stream, a late read sees a later batch's copy."""
-    from nostall._transfer import CudaStaging
+    from nostall._staging import CudaStaging
 
     monkeypatch.setattr(CudaStaging, "_keep_for_consumer", lambda consumer, tensors: None)
     p = nostall.prefetch(_filled(300), "cuda", depth=2)

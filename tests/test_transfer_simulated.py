@@ -1,7 +1,7 @@
 """nostall's CUDA path, unmodified, on the simulated CUDA (``tests/simcuda``), via the public API.
 
 Every scenario checks the values against the CPU and that the simulation found no hazard. Each
-protection of :class:`nostall._transfer.CudaStaging` then has a canary: the same run with that
+protection of :class:`nostall._staging.CudaStaging` then has a canary: the same run with that
 one protection removed, which the simulation must flag with the matching hazard. Consumers run
 their "model" both on the default stream and on a side stream: a default-stream consumer can
 hide a missing ``record_stream`` or wait.
@@ -21,7 +21,7 @@ from simcuda import STREAM_POOL, Kind, Simulation, simulated_cuda
 import nostall
 from nostall import transforms as T
 from nostall._channel import Channel
-from nostall._transfer import CudaStaging
+from nostall._staging import CudaStaging
 from nostall.transforms import _random, _tensors
 
 CONSUMERS = ["default", "side"]
@@ -273,10 +273,10 @@ def _consumer_pulls_first() -> Iterator[threading.Event]:
     stage = CudaStaging.stage
     count = [0]
 
-    def held(self: Channel) -> bool:
+    def held(self: Channel, give_up: Callable[[], bool]) -> bool:
         if threading.current_thread().name.startswith("nostall"):
             pulled.wait(10.0)
-        return acquire(self)
+        return acquire(self, give_up)
 
     def staged_by(self: CudaStaging, batch: Any) -> Any:
         out = stage(self, batch)

@@ -1,6 +1,6 @@
 """How many batches may be in flight: the one memory-budget rule.
 
-``depth="auto"`` starts at 2 and doubles while the consumer waits; :func:`limit_auto_depth`
+``depth="auto"`` starts at 1 and doubles while the consumer waits; :func:`auto_depth_limit`
 bounds it once the first batch shows its size. The tuner bounds the depths it tries by the same
 rule, so it never recommends a depth that auto would not allow.
 
@@ -10,15 +10,12 @@ device's available memory (measured when the first batch arrives) in batches in 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ._devices import available_memory
 from ._tree import iter_tensors
-
-if TYPE_CHECKING:
-    from ._channel import Channel
 
 #: ``depth="auto"`` never grows beyond this many batches.
 MAX_DEPTH = 64
@@ -39,6 +36,6 @@ def depth_budget(nbytes: int, device: torch.device) -> int:
     return max(1, min(MAX_DEPTH, int(budget // nbytes)))
 
 
-def limit_auto_depth(channel: Channel, staged: Any, device: torch.device) -> None:
-    """Bound an auto depth by the budget, once the first batch shows its size."""
-    channel.auto_limit = depth_budget(batch_nbytes(staged.batch), device)
+def auto_depth_limit(batch: Any, device: torch.device) -> int:
+    """How deep ``depth="auto"`` may grow, once the first staged ``batch`` shows its size."""
+    return depth_budget(batch_nbytes(batch), device)

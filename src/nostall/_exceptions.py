@@ -22,6 +22,8 @@ receives the very same exception object, with a note saying where it happened.
 
 from __future__ import annotations
 
+import contextlib
+
 
 class NostallError(Exception):
     """Base class of every exception nostall raises itself."""
@@ -96,3 +98,27 @@ class ConfigurationError(NostallError, ValueError):
     its traceback. A ``ValueError`` too, so that Python callers of the functions that raise it
     (``load_callable``, ``diagnose``) catch it as they always have.
     """
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error`` (shown under its traceback on Python 3.11+).
+
+    Never raises: an exception that refuses notes (attribute writes refused, ``__notes__`` not a
+    list) still reaches the user, itself, only without the note.
+    """
+    with contextlib.suppress(Exception):
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+            return
+        # Python 3.10: keep the note where 3.11+ would, for anyone who looks
+        notes = getattr(error, "__notes__", None)
+        if isinstance(notes, list):
+            notes.append(note)
+        else:
+            error.__notes__ = [note]  # type: ignore[attr-defined]
+
+
+def noted(error: BaseException, where: str) -> BaseException:
+    """``error`` itself, noted with where it happened (it reaches the user unwrapped)."""
+    add_note(error, f"nostall: {where}; re-raised in the consumer after the batches before it")
+    return error

@@ -1,8 +1,9 @@
 """One pass over the source: the iterator, its lifecycle, and what passes hand on.
 
 A :class:`PrefetchIterator` is what ``iter(prefetcher)`` returns. It starts a producer thread
-(:mod:`nostall._channel`) on its first ``next()``, takes batches, errors and the epoch's end from
-the channel in order, and hands each batch out through the staging (:mod:`nostall._transfer`).
+(:mod:`nostall._producer`) on its first ``next()``, takes batches, errors and the epoch's end from
+its channel (:mod:`nostall._channel`) in order, and hands each batch out through the staging
+(:mod:`nostall._staging`).
 Consecutive passes of one Prefetcher share a :class:`Lineage`: the epoch, the position to resume
 from, the producer that runs ahead across epochs.
 
@@ -26,20 +27,17 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from . import _producer
-from ._autodepth import limit_auto_depth
-from ._channel import BATCH, END, ERROR, POLL_S, Channel, Message, add_note
-from ._epochs import (
-    EpochSource,
-    readable_epoch,
-)
-from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
-from ._producer import produce
+from ._autodepth import auto_depth_limit
+from ._channel import BATCH, END, ERROR, POLL_S, Channel, Message
+from ._epochs import EpochSource, readable_epoch
+from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, add_note
+from ._producer import Puller, produce
 from ._source_checks import describe, warn_if_hidden_from_framework
-from ._transfer import CudaStaging
+from ._staging import CudaStaging
 
 if TYPE_CHECKING:
     from ._profile import StallRecorder
-    from ._transfer import Staging
+    from ._staging import Staging
 
 T = TypeVar("T")
 
@@ -74,10 +72,10 @@ class Lineage:
         self.position: tuple[int, int, Any] | None = None
         self.loaded: dict[str, Any] | None = None  # a state loaded and not yet iterated
         self.thread: threading.Thread | None = None  # the latest producer
-        #: The latest channel: kept for a one-shot source (carry-over) and across epochs.
-        self.channel: Channel | None = None
-        #: Across epochs, the channel already fetching ``epoch`` between iterations.
-        self.ahead: Channel | None = None
+        #: A one-shot source's latest puller: what it fetched and nobody took is carried over.
+        self.carried: Puller | None = None
+        #: Across epochs, the puller already fetching ``epoch`` between iterations.
+        self.ahead: Puller | None = None
         self.exhausted = False  # a one-shot source has ended
         self.active: weakref.ref[PrefetchIterator[Any]] | None = None
         self.owner_alive = True
@@ -106,10 +104,9 @@ class Lineage:
         """
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            ahead.wake_to_stop()
+            ahead.stop()
             if wait:
-                with ahead.pull_lock:
-                    pass
+                ahead.wait_idle()
 
     @staticmethod
     def owner_gone(lineage: Lineage) -> None:
@@ -160,7 +157,7 @@ class PrefetchIterator(Iterator[T]):
         self._last_depth = 1 if owner.depth == "auto" else int(owner.depth)
         self._state = Lifecycle.CREATED
         self._stopped_why = ""
-        self._channel: Channel | None = None
+        self._puller: Puller | None = None
         self._index = 0  # batches of this epoch handed out so far
         #: This thread's intra-op thread count, to give back to the process once the producer
         #: has set its own (torch keeps the last count set, in any thread, for new threads).
@@ -194,10 +191,10 @@ class PrefetchIterator(Iterator[T]):
     def _next_or_interrupted(self) -> T:
         if self._check_consumer is not None:
             self._check_consumer()
-        channel = self._channel
-        if channel is None:
+        puller = self._puller
+        if puller is None:
             if self._state is Lifecycle.CREATED:
-                channel = self._start()
+                puller = self._start()
             elif self._state is Lifecycle.STOPPED:
                 raise PrefetcherClosedError(
                     f"this iteration was stopped: {self._stopped_why}; start a new one with "
@@ -207,17 +204,17 @@ class PrefetchIterator(Iterator[T]):
                 raise StopIteration
         elif self._lineage.fork_generation != _producer.fork_generation:
             check_not_forked(self._lineage)
-        if channel.after_error:
-            self._go_on_after_error(channel)  # the loop caught the error and asks for more
-        if self._index == channel.expected:
-            channel.ask_for_end()  # asked past the last batch: the source may now end
-        return self._take(channel, channel.get(self._index, self._timeout))
+        if puller.after_error:
+            self._go_on_after_error(puller)  # the loop caught the error and asks for more
+        if self._index == puller.expected:
+            puller.ask_for_end()  # asked past the last batch: the source may now end
+        return self._take(puller, puller.channel.get(self._index, self._timeout, puller.pull_here))
 
-    def _take(self, channel: Channel, message: Message) -> T:
-        """Hand out one message taken from ``channel``: a batch, an error, or the epoch's end."""
+    def _take(self, puller: Puller, message: Message) -> T:
+        """Hand out one message from ``puller``'s channel: a batch, an error, or the epoch's end."""
         kind, payload, epoch, state, hook = message
         lineage = self._lineage
-        if self._threads is not None and channel.threads_set.is_set():
+        if self._threads is not None and puller.threads_set.is_set():
             torch.set_num_threads(self._threads)
             self._threads = None
         mirror = lineage.epochs.mirror
@@ -235,8 +232,8 @@ class PrefetchIterator(Iterator[T]):
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
         if isinstance(payload, KeyboardInterrupt):
             raise payload  # from a pull in this thread: _next stops the iteration
-        self._last_depth = channel.depth
-        self._channel = None
+        self._last_depth = puller.channel.depth
+        self._puller = None
         self._state = Lifecycle.DONE
         if kind is END:
             if mirror is not None:
@@ -247,13 +244,13 @@ class PrefetchIterator(Iterator[T]):
             epochs = lineage.epochs
             # set_epoch for the next epoch here, in the consumer's thread (unless the producer
             # already opened it ahead): a set_epoch the user makes after this comes after ours.
-            follow = epochs.across_epochs and not channel.finished
-            channel.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
+            follow = epochs.across_epochs and not puller.finished
+            puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
             lineage.marks = epochs.marks()
             if lineage.one_shot:
                 lineage.exhausted = True
-            if lineage.epochs.across_epochs and not channel.finished:
-                lineage.ahead = channel  # it is already fetching the next epoch
+            if lineage.epochs.across_epochs and not puller.finished:
+                lineage.ahead = puller  # it is already fetching the next epoch
                 if not lineage.owner_alive:
                     lineage.discard_ahead(wait=False)
             raise StopIteration
@@ -267,16 +264,16 @@ class PrefetchIterator(Iterator[T]):
         it keeps the epoch number and the resume state right. The source is not asked for its
         end (a plain loop of that kind never asks either, and asking may draw random numbers).
         """
-        channel = self._channel
-        if self._state is not Lifecycle.RUNNING or channel is None:
+        puller = self._puller
+        if self._state is not Lifecycle.RUNNING or puller is None:
             return
-        if self._index != channel.expected:
+        if self._index != puller.expected:
             return
         lineage = self._lineage
         epochs = lineage.epochs
         self._stop("the epoch was complete (len(source) batches) when a new iter() began")
         self._state = Lifecycle.DONE
-        lineage.epoch = channel.epoch + 1
+        lineage.epoch = puller.epoch + 1
         lineage.position = None if epochs.stateful else (lineage.epoch, 0, epochs.end_state())
         lineage.loaded = None
         if epochs.mirror is not None:
@@ -285,25 +282,25 @@ class PrefetchIterator(Iterator[T]):
     @property
     def depth(self) -> int:
         """Batches this iteration may fetch ahead (grows with ``depth="auto"``; kept at the end)."""
-        if self._channel is not None:
-            self._last_depth = self._channel.depth
+        if self._puller is not None:
+            self._last_depth = self._puller.channel.depth
         return self._last_depth
 
     def close(self) -> None:
         """Stop this iteration and its producer (without waiting for it); idempotent."""
         self._stop("close() was called on it")
 
-    def _start(self) -> Channel:
+    def _start(self) -> Puller:
         lineage = self._lineage
         if not lineage.checked_world:
             lineage.checked_world = True
             warn_if_hidden_from_framework(self._source, self._shard)
         ahead, lineage.ahead = lineage.ahead, None
-        if ahead is not None and not ahead.stop.is_set():
+        if ahead is not None and not ahead.stopped:
             if _opened_with_current_epoch(ahead, lineage):
-                self._state, self._channel, self._index = Lifecycle.RUNNING, ahead, 0
+                self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
                 return ahead  # across epochs: this epoch is already being fetched
-            ahead.wake_to_stop()  # its order was drawn for an epoch the sampler is no longer in
+            ahead.stop()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
         self._wait_for_previous_producer()
@@ -322,19 +319,18 @@ class PrefetchIterator(Iterator[T]):
         channel = Channel(
             1 if auto else int(self._depth),
             describe(self._source),
-            None,
-            self._staging,
-            epochs,
-            epoch=lineage.epoch,
             max_depth=1 if auto else None,  # grows once the first batch shows its size
         )
+        puller = Puller(channel, self._staging, epochs, epoch=lineage.epoch)
         if auto:
-            device = self._device  # not self: the channel must not keep this iteration alive
-            channel.on_first_batch = lambda staged: limit_auto_depth(channel, staged, device)
+            device = self._device  # not self: the puller must not keep this iteration alive
+            puller.on_first_batch = lambda staged: channel.limit_growth(
+                auto_depth_limit(staged.batch, device)
+            )
         self._state = Lifecycle.RUNNING
-        self._channel = channel
+        self._puller = puller
         if lineage.one_shot and self._carry_over(channel):
-            return channel
+            return puller
         if lineage.one_shot and lineage.exhausted:
             warnings.warn(
                 f"nostall: the source {describe(self._source)} is a one-shot iterator that is "
@@ -343,54 +339,50 @@ class PrefetchIterator(Iterator[T]):
                 UserWarning,
                 stacklevel=3,
             )
-            channel.slots.acquire()
-            channel.put((END, 0, lineage.epoch, None, None))
-            return channel
+            channel.put_ready((END, 0, lineage.epoch, None, None))
+            return puller
         if epochs.mirror is not None:
             epochs.mirror.sync_epoch()
         try:
-            channel.batches, channel.pulled = epochs.open(
-                lineage.epoch, forward=forward, outside=outside
-            )
+            puller.open(lineage.epoch, forward=forward, outside=outside)
         except BaseException as e:
-            self._channel, self._state = None, Lifecycle.DONE
+            self._puller, self._state = None, Lifecycle.DONE
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
-        self._index = channel.pulled  # a resumed epoch starts after the batches already seen
-        channel.expected = epochs.length()
+        self._index = puller.pulled  # a resumed epoch starts after the batches already seen
         lineage.marks = epochs.marks()  # as this open left them (it may have set the epoch)
-        lineage.channel = channel if lineage.one_shot else None
-        self._launch(channel)
-        return channel
+        lineage.carried = puller if lineage.one_shot else None
+        self._launch(puller)
+        return puller
 
-    def _launch(self, channel: Channel) -> None:
-        """Start a producer thread for ``channel`` (no other may be running for it)."""
+    def _launch(self, puller: Puller) -> None:
+        """Start a producer thread for ``puller`` (no other may be running for it)."""
         # Start this thread's intra-op pool now, with its own count: the producer sets one
         # thread for itself, and a pool started after that would read its count (1).
         self._threads = torch.get_num_threads()
         thread = threading.Thread(
             target=produce,
-            args=(channel,),
+            args=(puller,),
             name=f"nostall-prefetch-{next(_THREAD_IDS)}",
             daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
         )
-        channel.thread = thread
+        puller.channel.thread = thread
         self._lineage.thread = thread
         thread.start()
 
-    def _go_on_after_error(self, channel: Channel) -> None:
+    def _go_on_after_error(self, puller: Puller) -> None:
         """The loop caught an error in one batch and asks for the next: resume producing.
 
         The producer paused (ended) after the error, so that a loop that stops there leaves
-        nothing running; the source's iterator is still the channel's, and a new producer
+        nothing running; the source's iterator is still the puller's, and a new producer
         goes on from the batch after the failed one.
         """
-        thread = channel.thread
+        thread = puller.channel.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()  # it is pausing: it waits on nothing once after_error is set
-        channel.after_error = False
-        if not channel.finished and not channel.stop.is_set():
-            self._launch(channel)
+        puller.after_error = False
+        if not puller.finished and not puller.stopped:
+            self._launch(puller)
 
     def _follow_outside_set_epoch(self) -> bool:
         """Before a fresh epoch opens: adopt an epoch set on the sampler by someone else.
@@ -445,13 +437,12 @@ class PrefetchIterator(Iterator[T]):
         Returns True when the carried messages include the end of the source or its error, so
         that no producer is needed.
         """
-        previous = self._lineage.channel
-        self._lineage.channel = None
+        previous = self._lineage.carried
+        self._lineage.carried = None
         if previous is None:
             return False
-        for message in previous.drain():
-            channel.slots.acquire()  # never blocks: the old channel held at most depth
-            channel.put(message)
+        for message in previous.channel.drain():
+            channel.put_ready(message)  # never more than depth: the old channel held as many
             if message[0] is not BATCH:
                 return True
         return False
@@ -461,19 +452,19 @@ class PrefetchIterator(Iterator[T]):
             return
         self._state = Lifecycle.STOPPED
         self._stopped_why = why
-        if self._channel is not None:
-            self._channel.wake_to_stop()
-            self._channel = None
+        if self._puller is not None:
+            self._puller.stop()
+            self._puller = None
 
     def __del__(self) -> None:
         # Runs when the consumer drops the iteration (break, del, garbage collection); only
         # signals, never joins, since a finaliser must not block.
-        channel = self.__dict__.get("_channel")
-        if channel is not None:
-            channel.wake_to_stop()
+        puller = self.__dict__.get("_puller")
+        if puller is not None:
+            puller.stop()
 
 
-def _opened_with_current_epoch(ahead: Channel, lineage: Lineage) -> bool:
+def _opened_with_current_epoch(ahead: Puller, lineage: Lineage) -> bool:
     """Whether the epoch a producer opened ahead still matches the sampler's epoch.
 
     Between the end of one epoch and the start of the next, a framework may call ``set_epoch``

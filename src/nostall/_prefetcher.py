@@ -37,7 +37,7 @@ from ._source_checks import (
     warn_about_epochs,
     warn_inexact_stateful_resume,
 )
-from ._transfer import CudaStaging, Staging
+from ._staging import CudaStaging, Staging
 
 T = TypeVar("T")
 
@@ -116,7 +116,7 @@ class Prefetcher(Generic[T]):
           previous iteration, and its first ``next()`` waits for the previous producer to end.
         * On CUDA, one copy stream per prefetcher; each batch is handed out only after the
           consumer's current stream waits on the batch's copy event, and its tensors are
-          ``record_stream``-ed on that stream (see :class:`~nostall._transfer.CudaStaging`).
+          ``record_stream``-ed on that stream (see :class:`~nostall._staging.CudaStaging`).
         * An error in the source or in the transfer reaches the consumer after every batch
           before it, as the same exception object with a note of where it happened.
         * The producer holds no reference to the prefetcher or the iteration: dropping the
@@ -428,7 +428,7 @@ class Prefetcher(Generic[T]):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        lineage.channel = None
+        lineage.carried = None
 
     def __enter__(self) -> Prefetcher[T]:
         return self

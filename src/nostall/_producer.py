@@ -1,10 +1,14 @@
-"""The producer thread: pulls, stages and sends batches into a :class:`~nostall._channel.Channel`.
+"""The producer: a puller that takes batches from the source and stages them, and its thread.
 
-The producer thread is given only a Channel (the source's iterator, the staging object and the
-epoch opener travel inside it); it holds no reference to the prefetcher or to the iteration
-that started it, so dropping those is enough for the garbage collector to collect them and stop
-the thread. Live producers are stopped before the interpreter exits, and a fork is noticed
-(producer threads do not survive one).
+A :class:`Puller` owns everything about pulling: the epoch source, the source's iterator, the
+staging, where each error happened, and the rollover from one epoch to the next. It sends what
+it pulls into its :class:`~nostall._channel.Channel`, from the producer thread (:func:`produce`)
+or, when the producer is idle and nothing is queued, from the consumer's own thread.
+
+The producer thread is given only a Puller; it holds no reference to the prefetcher or to the
+iteration that started it, so dropping those is enough for the garbage collector to collect them
+and stop the thread. Live producers are stopped before the interpreter exits, and a fork is
+noticed (producer threads do not survive one).
 """
 
 from __future__ import annotations
@@ -14,75 +18,325 @@ import os
 import sys
 import threading
 import time
+import weakref
+from collections.abc import Callable
+from typing import Any
 
-from ._channel import END, FAILED, Channel
+from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Message
+from ._epochs import EpochSource
+from ._exceptions import noted
+from ._staging import Staged, Staging
 
 #: How long interpreter exit waits, in all, for live producers to stop (seconds).
 EXIT_JOIN_S = 2.0
 
+#: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.
+STALE: Any = object()
 
-def produce(channel: Channel) -> None:
+
+class Puller:
+    """Pulls the source's batches in order, stages them, and sends them into ``channel``.
+
+    Invariants:
+        * Pulls are serialised by ``pull_lock``, and a pulled message is queued (or handed to
+          the consumer that pulled it) before the lock is released. When nothing is queued and
+          the producer is not pulling, the consumer may pull the next batch itself
+          (:meth:`pull_here`): it would otherwise wait for the same work, and on a fast source
+          this saves two thread switches per batch. Both rules together keep every batch once
+          and in order.
+        * Once ``finished``, nothing more is pulled. An error in one batch does not finish the
+          puller, but nothing more is pulled until the consumer asks for the next batch
+          (``after_error``): then the same iterator is asked for the following one, as a
+          DataLoader's iterator is when the loop catches the error and goes on.
+        * A source with a length is not asked for anything past its ``expected`` batches
+          until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
+          ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
+          has effects (a ``RandomSampler`` draws once more from the loader's generator).
+        * Across epochs, the next epoch is opened (``set_epoch`` called, its order drawn) only
+          once the consumer has taken the epoch's end (``taken_end``); until then it may still
+          stop early, and a framework may still set the sampler's epoch itself. The consumer
+          calls ``set_epoch`` for the next epoch as it takes the end.
+        * Except once the consumer has shown that it asks for the end (``asks_for_end``: a
+          plain ``for`` loop): from then on the producer pulls each end and opens the next
+          epoch as soon as it gets there, calling ``set_epoch`` itself, so that no epoch starts
+          with an empty pipeline. ``open_lock`` makes exactly one of the two call it.
+        * The sampler's epoch marks are read around each draw: an order drawn while someone
+          set the epoch is marked ``STALE`` and never handed out.
+    """
+
+    def __init__(
+        self, channel: Channel, staging: Staging, epochs: EpochSource, *, epoch: int = 0
+    ) -> None:
+        self.channel = channel
+        me = weakref.ref(self)  # not self: no cycle keeps a dropped channel's batches alive
+        channel.phase = lambda: "ended" if (puller := me()) is None else puller.phase
+        self.staging = staging
+        self.epochs = epochs
+        #: The source's iterator for ``epoch``; None between epochs and once finished.
+        self.batches: Any = None
+        self.epoch = epoch  # the epoch being pulled
+        self.pulled = 0  # batches of that epoch taken from the source so far
+        #: Nothing more will be pulled: the source ended (one epoch), failed, or was let go.
+        self.finished = False
+        self.pull_lock = threading.Lock()
+        #: What the puller is doing now; read in error messages.
+        self.phase = "not started"
+        #: Called once with the first staged batch (``depth="auto"`` sizes its budget there).
+        self.on_first_batch: Callable[[Staged], None] | None = None
+        #: Set once the producer thread gave itself its own intra-op thread count.
+        self.threads_set = threading.Event()
+        #: The last epoch whose end the consumer took (the one before ``epoch`` at first).
+        self.taken_end = epoch - 1
+        #: The consumer asked for the end of an epoch: it will ask again (a plain loop).
+        self.asks_for_end = False
+        #: A batch failed and the consumer has not asked for what follows it yet.
+        self.after_error = False
+        #: Set when the consumer asked for what follows the epoch's ``expected`` batches.
+        self.may_pull_end = threading.Event()
+        #: Serialises who calls ``set_epoch`` for the next epoch: the producer opening it
+        #: ahead, or the consumer taking the end.
+        self.open_lock = threading.Lock()
+        #: Batches in the epoch being pulled (``len(source)``), when the source has a length.
+        self.expected: int | None = None
+        #: ``EpochSource.marks()`` read right after each epoch's order was drawn, by epoch
+        #: (``STALE`` when they changed while it was drawn), and before each was opened here.
+        self.marks: dict[int, Any] = {}
+        self.open_marks: dict[int, Any] = {}
+
+    def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
+        """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
+        self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
+        self.expected = self.epochs.length()
+
+    # -- either thread, holding pull_lock ------------------------------------------------------
+
+    def pull(self) -> Message:
+        """Take the next batch from the source and stage it; the caller holds ``pull_lock``.
+
+        Errors come back as the same object with a note of where they happened. Across
+        epochs, an epoch's end is followed by the next epoch's batches.
+        """
+        epoch = self.epoch
+        epochs = self.epochs
+        name = threading.current_thread().name
+        if self.batches is None:  # across epochs: the next one starts here
+            self.phase = f"iter(source) for epoch {epoch}"
+            with self.open_lock:
+                if self.taken_end < epoch - 1:
+                    # Ahead of a consumer that asks for each end: nostall counts the epochs.
+                    epochs.forward_epoch(epoch)
+                self.open_marks[epoch] = epochs.marks()
+            try:
+                self.batches, self.pulled = epochs.open(epoch, forward=False)
+            except BaseException as e:
+                return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
+            self.expected = epochs.length()
+        index = self.pulled
+        self.phase = f"next(source) for batch {index}"
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            self.batches = None
+            self.may_pull_end.clear()  # served; the next epoch's end waits for its own request
+            if epoch not in self.marks:
+                self._mark_drawn(epoch)
+            if epochs.across_epochs:
+                self.epoch, self.pulled = epoch + 1, 0
+            else:
+                self.finished = True
+            return self._with_state(END, index, epoch, epochs.end_state, epochs.after_pull(True))
+        except BaseException as e:
+            self.pulled += 1  # the source moved past it: the next pull asks for the next batch
+            return self._failed(e, f"raised by next(source) for batch {index}, in {name!r}")
+        finally:
+            if self.batches is not None and epoch not in self.marks:
+                self._mark_drawn(epoch)  # the order is drawn by now
+        hook = None if epochs.mirror is None else epochs.after_pull(False)
+        self.phase = f"moving batch {index} to {self.staging.device}"
+        self.pulled += 1
+        try:
+            staged = self.staging.stage(batch)
+        except BaseException as e:
+            where = f"raised while moving batch {index} to {self.staging.device}, in {name!r}"
+            return self._failed(e, where, hook)
+        if self.on_first_batch is not None:
+            on_first, self.on_first_batch = self.on_first_batch, None
+            on_first(staged)
+        return self._with_state(BATCH, staged, epoch, lambda: epochs.batch_state(epoch), hook)
+
+    def _mark_drawn(self, epoch: int) -> None:
+        """Record the sampler's epoch marks an order was drawn with (STALE if they moved)."""
+        after = self.epochs.marks()
+        before = self.open_marks.get(epoch, after)
+        self.marks[epoch] = after if after == before else STALE
+
+    def _with_state(
+        self, kind: str, payload: Any, epoch: int, state: Callable[[], Any], hook: Any
+    ) -> Message:
+        try:
+            return kind, payload, epoch, state(), hook
+        except BaseException as e:
+            return self._failed(e, "raised by the source's state_dict()", hook)
+
+    def _failed(self, error: BaseException, where: str, hook: Any = None) -> Message:
+        """An error message: one batch's (the epoch goes on) or the epoch's (it ends)."""
+        ends_epoch = self.batches is None or not isinstance(error, Exception)
+        if ends_epoch:
+            self.batches, self.finished = None, True
+        else:
+            self.after_error = True  # nothing more is pulled until the consumer asks
+            self.channel.wake.set()
+        state = None
+        if not ends_epoch:
+            try:  # where a checkpoint taken after this error resumes: after the failed batch
+                state = self.epochs.batch_state(self.epoch)
+            except Exception:
+                state = None
+        return FAILED if ends_epoch else ERROR, noted(error, where), self.epoch, state, hook
+
+    # -- the gate: may the next pull happen now? -----------------------------------------------
+
+    def gate_open(self) -> bool:
+        """Whether the next pull may happen now (see the class invariants)."""
+        if self.finished:
+            return True
+        if self.asks_for_end:
+            return True
+        if self.batches is None:  # the next epoch
+            return self.taken_end >= self.epoch - 1
+        expected = self.expected
+        return not (expected and self.pulled >= expected) or self.may_pull_end.is_set()
+
+    def wait_at_gate(self) -> bool:
+        """Wait until the next pull may happen; False once the channel was let go."""
+        channel = self.channel
+        while not self.gate_open():
+            if channel.stop.is_set():
+                return False
+            if self.after_error:
+                return True  # the caller pauses: see produce()
+            channel.wake.wait(POLL_S)
+            channel.wake.clear()
+        return not channel.stop.is_set()
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    def pull_here(self) -> Message | None:
+        """Pull the next message in the consumer's thread, or None when it may not.
+
+        Only when nothing is queued, the producer is not inside the source, and the consumer
+        has asked for it (the gate is open): then it would only wait for the same work.
+        """
+        if self.finished or not self.pull_lock.acquire(blocking=False):
+            return None  # nothing to pull, or the producer is pulling: wait for its batch
+        try:
+            if self.finished or not self.channel.empty() or not self.gate_open():
+                return None  # one was queued just before the lock, or it is not asked for
+            return self.pull()
+        finally:
+            self.pull_lock.release()
+
+    def ask_for_end(self) -> None:
+        """The consumer asks for what follows the epoch's last batch."""
+        self.asks_for_end = True
+        self.may_pull_end.set()
+        self.channel.wake.set()
+
+    def took_end(self, epoch: int, next_epoch: Callable[[], None] | None) -> None:
+        """The consumer took ``epoch``'s end.
+
+        ``next_epoch`` calls ``set_epoch`` for the next epoch, unless the producer already did,
+        opening it ahead.
+        """
+        with self.open_lock:
+            self.taken_end = epoch
+            if next_epoch is not None and epoch + 1 not in self.open_marks:
+                next_epoch()
+        self.channel.wake.set()
+
+    def stop(self) -> None:
+        """Let the channel go: the producer ends at its next wait, pulling nothing more."""
+        self.channel.wake_to_stop()
+
+    @property
+    def stopped(self) -> bool:
+        return self.channel.stop.is_set()
+
+    def wait_idle(self) -> None:
+        """Return once no pull is under way (one may be opening an epoch: ``set_epoch``)."""
+        with self.pull_lock:
+            pass
+
+
+def produce(puller: Puller) -> None:
     """Body of a producer thread: pull, stage and send batches until finished or stopped.
 
     Every batch pulled from the source is sent, even when a stop arrives meanwhile, so that a
     one-shot source loses nothing. The source's iterator is let go here, in this thread, when
     the loop ends (a DataLoader's workers shut down with it). After an error in one batch the
-    thread ends but leaves the iterator to the channel (``after_error``): a loop that stops at
+    thread ends but leaves the iterator to the puller (``after_error``): a loop that stops at
     the error leaves nothing running, and one that goes on starts a new producer.
     """
-    _live.add(channel)
+    channel = puller.channel
+    _live.add(puller)
     paused = False
+
+    def give_up() -> bool:
+        return puller.after_error
+
     try:
         try:
-            channel.staging.start_thread()
-            channel.threads_set.set()
+            puller.staging.start_thread()
+            puller.threads_set.set()
         except BaseException as e:
-            if channel.acquire():
+            if channel.acquire(give_up):
                 name = threading.current_thread().name
-                with channel.pull_lock:
-                    where = f"raised in {name!r} while preparing it for {channel.staging.device}"
-                    channel.batches = None  # nothing can be staged: the epoch ends here
-                    channel.put(channel._failed(e, where))
+                with puller.pull_lock:
+                    where = f"raised in {name!r} while preparing it for {puller.staging.device}"
+                    puller.batches = None  # nothing can be staged: the epoch ends here
+                    channel.put(puller._failed(e, where))
             return
-        while channel.acquire():
-            if not channel.wait_at_gate():
+        while channel.acquire(give_up):
+            if not puller.wait_at_gate():
+                channel.give_back()
                 return
-            with channel.pull_lock:
-                if channel.finished or channel.stop.is_set():
+            with puller.pull_lock:
+                if puller.finished or channel.stop.is_set():
                     # The consumer pulled the end or an error itself, or let this channel go
                     # (and may now touch the source itself: no pull may start after a stop).
+                    channel.give_back()
                     return
-                if channel.after_error:
-                    channel.slots.release()  # the slot taken for a pull that will not happen
+                if puller.after_error:
+                    channel.give_back()  # the slot taken for a pull that will not happen
                     paused = True
                     return
-                message = channel.pull()
+                message = puller.pull()
                 channel.put(message)
             kind = message[0]
             del message  # the consumer owns the batch now
-            if kind is FAILED or (kind is END and not channel.epochs.across_epochs):
+            if kind is FAILED or (kind is END and not puller.epochs.across_epochs):
                 return
-        paused = channel.after_error and not channel.stop.is_set()
+        paused = puller.after_error and not channel.stop.is_set()
     finally:
         if not paused:
-            with channel.pull_lock:
-                channel.batches, channel.finished = None, True
-        channel.phase = "paused after an error" if paused else "ended"
-        _live.discard(channel)
+            with puller.pull_lock:
+                puller.batches, puller.finished = None, True
+        puller.phase = "paused after an error" if paused else "ended"
+        _live.discard(puller)
 
 
-# Channels whose producer thread is running, so that interpreter exit can stop them first.
-_live: set[Channel] = set()
+# Pullers whose producer thread is running, so that interpreter exit can stop them first.
+_live: set[Puller] = set()
 
 
 def stop_all_producers(timeout: float = EXIT_JOIN_S) -> None:
     """Ask every live producer to stop and wait up to ``timeout`` seconds in all for them."""
-    channels = list(_live)
-    for channel in channels:
-        channel.stop.set()
+    pullers = list(_live)
+    for puller in pullers:
+        puller.channel.stop.set()
     deadline = time.monotonic() + timeout
-    for channel in channels:
-        thread = channel.thread
+    for puller in pullers:
+        thread = puller.channel.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
 

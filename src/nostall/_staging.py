@@ -1,0 +1,256 @@
+"""Staging: what happens to each batch between the source and the consumer.
+
+:meth:`Staging.stage` runs in the producer thread (or the consumer's, when it pulls a batch
+itself), in four ordered steps::
+
+    pin -> copy -> transform (and its checkpoint) -> ready event
+
+:meth:`Staging.hand_out` runs in the consumer thread: on CUDA its current stream waits for the
+ready event and the batch's memory is kept for it (``record_stream``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ._transfer import call_pin_memory, call_to, record_stream
+from ._tree import UNHANDLED, iter_tensors, map_tensors
+
+
+class Staged(NamedTuple):
+    """A batch moved by the producer, not yet handed to the consumer."""
+
+    batch: Any
+    #: Recorded on the copy stream after the batch's copies were queued; ``None`` off CUDA.
+    ready: torch.cuda.Event | None
+    #: The CUDA tensors to mark as used by the consumer's stream (``record_stream``).
+    tensors: list[torch.Tensor]
+    #: The transform's ``state_dict()`` right after this batch, when it has one: what a
+    #: checkpoint taken after handing this batch out must hold.
+    transform_state: Any = None
+
+
+class Staging:
+    """Moves batches to a device that needs no stream handling (CPU, MPS, ...).
+
+    Steps: copy (tensors not on the device yet) -> transform -> no ready event (the consumer's
+    own thread reads the batch after it was made). ``check_consumer`` and ``hand_out`` run in
+    the consumer thread.
+    """
+
+    def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None = None) -> None:
+        self.device = device
+        #: Applied to each moved batch (``nostall.transforms``); on CUDA, on the copy stream.
+        self.transform = transform
+        state_dict = getattr(transform, "state_dict", None)
+        self._transform_state = state_dict if callable(state_dict) else None
+
+    def transform_state(self) -> Any:
+        """The transform's state now (``None`` without a transform or ``state_dict``)."""
+        return None if self._transform_state is None else self._transform_state()
+
+    def start_thread(self) -> None:
+        """Prepare the producer thread; called once in it before the first batch.
+
+        Torch ops run by the source in this thread get one intra-op thread (a thread-local
+        setting, as in PyTorch's own pin-memory thread and DataLoader workers): with more, each
+        calling thread brings its own OpenMP team whose spinning threads take the cores the
+        model's step needs (measured: a prefetched CPU epoch ran slower than the serial one).
+        """
+        torch.set_num_threads(1)
+
+    def stage(self, batch: Any) -> Staged:
+        """Copy ``batch`` to the device, then transform it (producer thread)."""
+        device = self.device
+        moved = map_tensors(
+            batch,
+            lambda t: t if t.device == device else t.to(device),
+            lambda obj: call_to(obj, device, False),
+        )
+        moved, transform_state = self._transform_step(moved)
+        return Staged(moved, None, [], transform_state)
+
+    def _transform_step(self, moved: Any) -> tuple[Any, Any]:
+        """Transform the moved batch; return it with the transform's checkpoint right after it.
+
+        The checkpoint is taken here, with the batch, so that a state saved after handing this
+        batch out holds the transform's state as it was then, not as batches fetched ahead
+        left it.
+        """
+        if self.transform is not None:
+            moved = self.transform(moved)
+        return moved, self.transform_state()
+
+    def check_consumer(self) -> None:
+        """Raise if the calling thread cannot take a batch now (before anything is taken)."""
+
+    def hand_out(self, staged: Staged) -> Any:
+        """Return the batch, ready for use by the calling thread (consumer thread)."""
+        return staged.batch
+
+
+class CudaStaging(Staging):
+    """Pins and copies batches on one side stream; the consumer's stream waits for each batch.
+
+    Steps, all queued on the copy stream: pin -> copy (leaf by leaf, so a leaf's copy runs
+    while the next one is pinned) -> transform -> ready event.
+
+    Invariants:
+        * One copy stream per instance, created here and never replaced (streams per epoch would
+          grow reserved memory).
+        * A batch is handed out only after the consumer's current stream waits on the event
+          recorded after its copies and transforms, so no kernel can read it early. When the
+          source put tensors on the device, the copy stream first waits for the stream they
+          were written on (the staging thread's current stream); otherwise it waits for
+          nothing, so copies never queue behind the model's work.
+        * Every CUDA tensor of a handed-out batch is ``record_stream``-ed on the consumer's
+          stream, and device inputs a transform reads on the copy stream are ``record_stream``-ed
+          there, so the caching allocator never reuses memory another stream may still read.
+        * ``non_blocking=True`` is used only from pinned memory, where it is truly asynchronous.
+        * Nothing in staging makes the host wait for the device (no ``.item()``, no blocking
+          or pageable copies) unless the user turned pinning off or a batch object cannot pin.
+        * No batch is handed out while the consumer's stream captures a CUDA graph.
+    """
+
+    def __init__(
+        self, device: torch.device, pin: bool, transform: Callable[[Any], Any] | None = None
+    ) -> None:
+        super().__init__(device, transform)
+        self.pin = pin
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def start_thread(self) -> None:
+        """Also make the target the producer thread's current device (pinning, events use it)."""
+        super().start_thread()
+        torch.cuda.set_device(self.device)
+
+    def stage(self, batch: Any) -> Staged:
+        """Pin and copy ``batch`` on the copy stream, transform it, record its ready event."""
+        copies: list[torch.Tensor] = []
+        on_device = [t for t in iter_tensors(batch) if t.device == self.device]
+        self._after_source(on_device)
+        with torch.cuda.stream(self.stream):
+            moved = map_tensors(batch, self._leaf_mover(copies), self._object_mover(copies))
+            protect = copies
+            if self.transform is not None:
+                # On the copy stream too: it overlaps the model's compute, and the consumer's
+                # wait on the event covers it. The copied inputs die here, on this stream;
+                # only the outputs need protecting for the consumer.
+                self._keep_for_copy_stream(on_device)
+            moved, transform_state = self._transform_step(moved)
+            if self.transform is not None:
+                protect = [t for t in iter_tensors(moved) if t.is_cuda]
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(self.stream)
+        return Staged(moved, ready, protect, transform_state)
+
+    def _after_source(self, on_device: list[torch.Tensor]) -> None:
+        """Order the copy stream after the work that wrote the source's device tensors.
+
+        They were written on this thread's current stream, so the copy stream (and the event
+        the consumer waits on) must come after that work. Only then: a wait on the current
+        stream (the default stream, or the consumer's own when it pulls a batch itself) would
+        queue every copy behind the model's kernels there, and no copy could overlap them.
+        """
+        if on_device:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _keep_for_copy_stream(self, on_device: list[torch.Tensor]) -> None:
+        """Keep the source's device tensors' memory until the copy stream has read them.
+
+        Without this their blocks would return to their own stream's pool when they die here,
+        and the source's next batch could overwrite them while the transform still reads.
+        """
+        for t in on_device:
+            record_stream(t, self.stream)
+
+    def _leaf_mover(self, out: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        device, pin = self.device, self.pin
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu":
+                pinned = t.is_pinned()
+                if pin and not pinned:
+                    t, pinned = t.pin_memory(), True
+                t = t.to(device, non_blocking=pinned)
+            elif t.device != device:
+                t = t.to(device)  # a batch on another GPU: moved explicitly, never left behind
+            if t.is_cuda:
+                out.append(t)
+            return t
+
+        return move
+
+    def _object_mover(self, out: list[torch.Tensor]) -> Callable[[Any], Any]:
+        device, pin = self.device, self.pin
+
+        def move(obj: Any) -> Any:
+            if not callable(getattr(obj, "to", None)):
+                return UNHANDLED
+            pinned = call_pin_memory(obj) if pin else UNHANDLED
+            if pinned is UNHANDLED and pin:
+                _warn_unpinnable(type(obj))
+            # non_blocking only from pinned memory: from pageable memory the copy is
+            # synchronous anyway, and a non_blocking one hides that.
+            if pinned is UNHANDLED:
+                moved = call_to(obj, device, False)
+            else:
+                moved = call_to(pinned, device, True)
+            out.extend(t for t in iter_tensors(moved) if t.is_cuda)
+            return moved
+
+        return move
+
+    def check_consumer(self) -> None:
+        """Refuse to hand out a batch while the consumer's stream captures a CUDA graph.
+
+        The wait for the copy stream's event and the ``record_stream`` calls would be captured
+        into the graph, and every replay would read the memory of this one batch.
+        """
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a nostall prefetcher cannot hand out batches while a CUDA graph is being "
+                "captured on the current stream: the graph would replay this one batch. Take "
+                "the batch before the capture and copy it into the graph's static input "
+                "(static_input.copy_(batch); graph.replay()) in the loop"
+            )
+
+    def hand_out(self, staged: Staged) -> Any:
+        """Make the caller's current stream wait for the batch and protect its memory."""
+        consumer = torch.cuda.current_stream(self.device)
+        self._wait(consumer, staged.ready)
+        self._keep_for_consumer(consumer, staged.tensors)
+        return staged.batch
+
+    @staticmethod
+    def _wait(consumer: torch.cuda.Stream, ready: torch.cuda.Event | None) -> None:
+        """The consumer's kernels queued from now on start after the batch is written."""
+        if ready is not None:
+            consumer.wait_event(ready)
+
+    @staticmethod
+    def _keep_for_consumer(consumer: torch.cuda.Stream, tensors: list[torch.Tensor]) -> None:
+        """Keep the batch's memory out of the copy stream's pool until the consumer used it."""
+        for t in tensors:
+            record_stream(t, consumer)
+
+
+_UNPINNABLE_WARNED: set[type] = set()
+
+
+def _warn_unpinnable(kind: type) -> None:
+    """Once per type: its copies to the GPU are synchronous, and how to make them overlap."""
+    if kind in _UNPINNABLE_WARNED:
+        return
+    _UNPINNABLE_WARNED.add(kind)
+    warnings.warn(
+        f"{kind.__qualname__} objects have .to() but no .pin_memory(): nostall copies them to "
+        f"the GPU from pageable memory, which blocks the producer until each copy is done; "
+        f"give {kind.__qualname__} a pin_memory() method that returns a copy in pinned memory "
+        f"(as tensor.pin_memory() does) to let the copies overlap the model's work",
+        stacklevel=2,
+    )
