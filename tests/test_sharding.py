@@ -10,13 +10,12 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 import nostall
-from nostall import _prefetcher, _sharding, _source_checks
+from nostall import _sharding, _source_checks
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
     """Pretend torch.distributed is initialised with ``world`` ranks, this one ``rank``."""
     monkeypatch.setattr(_sharding, "distributed_world", lambda: (rank, world))
-    monkeypatch.setattr(_prefetcher, "distributed_world", lambda: (rank, world))
     monkeypatch.setattr(_source_checks, "distributed_world", lambda: (rank, world))
 
 

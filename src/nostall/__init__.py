@@ -3,19 +3,26 @@
 ``for batch in nostall.prefetch(loader): ...`` yields the loader's batches, in order, already on
 the device: fetched, pinned and copied in the background while the model computes.
 
-The data path, one private module per stage, in the order a batch goes through them::
+The data path, one private module per stage, in the order a batch goes through them; each
+module imports only those above it::
 
     source (a DataLoader, a list, a generator)
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
-      |   _epochs         the source's epochs: set_epoch, its order, resume states
+      |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       v
-    _producer     a background thread pulls the next batch from the source
-      |   _transfer       staging: pin -> copy on a side CUDA stream -> transform -> ready event
+    _staging      per batch: pin -> copy on a side CUDA stream -> transform -> ready event
+      |   _transfer       the moves themselves: pin_memory, to_device, record_stream
       v
-    _channel      the bounded hand-off: at most ``depth`` batches ahead, in order
+    _channel      the bounded hand-off between two threads: at most ``depth`` ahead, in order
+      ^
+    _producer     the puller fills it: next(source), staging, error notes, the epoch's end and
+      |           the next epoch's start; in a background thread, or in the consumer's when
+      |           it would only wait
       |   _autodepth      how deep depth="auto" may grow: one memory budget
       v
-    _iteration    next(): takes the batch, makes the consumer's stream wait for it
+    _iteration    next() empties it: the consumer's stream waits, the batch is handed out
+      |   _resume         where the consumer is (one Position value), the state_dict from it
+      |   _lineage        what one pass hands the next: the position, the producer ahead
       v
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
 

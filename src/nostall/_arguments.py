@@ -21,7 +21,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def source(value: object) -> None:
+def source(value: object, owner: str = "nostall.prefetch") -> None:
     """An iterable of batches (a DataLoader, a list...), not one batch or a container of keys."""
     cls = type(value)
     if isinstance(value, (str, bytes, bytearray, Mapping, torch.Tensor)):
@@ -33,14 +33,14 @@ def source(value: object) -> None:
         }
         kind = next((v for k, v in what.items() if isinstance(value, k)), "its keys")
         raise TypeError(
-            f"nostall.prefetch(source) needs an iterable of batches such as a DataLoader (got a "
+            f"{owner}(source) needs an iterable of batches such as a DataLoader (got a "
             f"{cls.__qualname__}, whose iteration yields {kind}); pass a DataLoader over your "
             f"data, or a list of batches (e.g. list(tensor.split(batch_size)))"
         )
     if callable(getattr(cls, "__iter__", None)) or callable(getattr(cls, "__getitem__", None)):
         return
     raise TypeError(
-        f"nostall.prefetch(source) needs an iterable source such as a DataLoader ({received(value)}"
+        f"{owner}(source) needs an iterable source such as a DataLoader ({received(value)}"
         f"); pass the loader itself, not one of its batches"
     )
 

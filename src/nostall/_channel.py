@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._exceptions import PrefetchTimeoutError, ProducerDiedError, noted
+from ._exceptions import PrefetchTimeoutError, ProducerDiedError
 
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
@@ -132,15 +132,7 @@ class Channel:
                 stolen = pull_here()
                 if stolen is not None:
                     return stolen
-            try:
-                message = self._wait(index, timeout)
-            except (PrefetchTimeoutError, ProducerDiedError, KeyboardInterrupt):
-                raise
-            except Exception as e:
-                # Raised into this thread while it waited: PyTorch's SIGCHLD handler does so
-                # when a DataLoader worker dies.
-                noted(e, f"raised in the consumer thread while it waited for batch {index}")
-                raise
+            message = self._wait(index, timeout)
         self.slots.release()
         return message
 

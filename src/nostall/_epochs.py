@@ -21,9 +21,6 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._accelerate import ShardMirror, is_prepared_shard
 from ._torch_compat import copy_loader, live_iterator
 
-#: Version of the state format written by ``Prefetcher.state_dict``.
-STATE_VERSION = 1
-
 
 def set_epoch_targets(source: object) -> list[object]:
     """Where ``set_epoch`` may live, in the order it is looked for."""
@@ -345,110 +342,6 @@ class EpochSource:
                 torch.set_rng_state(state)
             elif name in generators:
                 generators[name].set_state(state)
-
-
-def build_state(
-    epoch: int, yielded: int, source_state: Any, replay: Any, order: dict[str, Any]
-) -> dict[str, Any]:
-    """The dictionary ``Prefetcher.state_dict`` returns."""
-    return {
-        "nostall": STATE_VERSION,
-        "epoch": epoch,
-        "batches_yielded": yielded,
-        "source_state": source_state,
-        "replay": None if replay is None else {**replay, **order},
-    }
-
-
-def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
-    """Validate a loaded state against the source; return it, or raise ``ValueError``.
-
-    Every field is checked here, at load time, so that a damaged or foreign state is refused
-    with the field's name instead of failing later inside ``next()``.
-    """
-    if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
-        raise ValueError(
-            f"not a nostall Prefetcher state (expected a dict from Prefetcher.state_dict() with "
-            f"'nostall': {STATE_VERSION}; got a {type(state).__name__})"
-        )
-    for key in ("epoch", "batches_yielded"):
-        value = state.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"state[{key!r}] must be an int >= 0 (got {value!r} that is a "
-                f"{type(value).__name__}); pass a state from Prefetcher.state_dict()"
-            )
-    length = _length(epochs.source)
-    if length is not None and state["batches_yielded"] > length:
-        raise ValueError(
-            f"state['batches_yielded'] is {state['batches_yielded']}, past the end of an epoch "
-            f"of {length} batches; pass a state saved from an identically built loader"
-        )
-    if epochs.stateful:
-        if state.get("source_state") is None and state["batches_yielded"] > 0:
-            raise ValueError(
-                "this state was saved from a source without state_dict(), but the source here "
-                "has one; build the same kind of loader as when the state was saved"
-            )
-        return state
-    replay = state.get("replay")
-    if not isinstance(replay, dict):
-        raise ValueError(
-            "this state holds a source's own state_dict(), but the source here has none; build "
-            "the same kind of loader as when the state was saved (e.g. a StatefulDataLoader)"
-        )
-    here = describe_order(epochs.source)
-    if replay.get("length") != here["length"]:
-        raise ValueError(
-            f"the state was saved for a source of {replay.get('length')} batches, this one has "
-            f"{here['length']}; resume with an identically built loader (same dataset, batch "
-            f"size, drop_last, sampler)"
-        )
-    if replay.get("samplers") != here["samplers"]:
-        raise ValueError(
-            f"the state was saved for samplers {replay.get('samplers')}, this source has "
-            f"{here['samplers']}; resume with an identically built loader"
-        )
-    _check_replay(replay)
-    return state
-
-
-def _check_replay(replay: dict[str, Any]) -> None:
-    end_of = replay.get("end_of")
-    if end_of is not None:
-        if not isinstance(end_of, dict) or not isinstance(end_of.get("batches"), int):
-            raise ValueError(
-                "state['replay']['end_of'] must be a dict with 'batches'; pass a state from "
-                "Prefetcher.state_dict()"
-            )
-        _check_replay({k: v for k, v in end_of.items() if k != "batches"})
-    sampler_epoch = replay.get("sampler_epoch")
-    if sampler_epoch is not None and (
-        isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int) or sampler_epoch < 0
-    ):
-        raise ValueError(
-            f"state['replay']['sampler_epoch'] must be None or an int >= 0 (got "
-            f"{sampler_epoch!r}); pass a state from Prefetcher.state_dict()"
-        )
-    if not isinstance(replay.get("fresh_iterator"), bool):
-        raise ValueError(
-            f"state['replay']['fresh_iterator'] must be True or False (got "
-            f"{replay.get('fresh_iterator')!r}); pass a state from Prefetcher.state_dict()"
-        )
-    rng = replay.get("rng")
-    if not isinstance(rng, dict) or "torch" not in rng:
-        raise ValueError(
-            "state['replay']['rng'] must be a dict of generator states with a 'torch' entry; "
-            "pass a state from Prefetcher.state_dict()"
-        )
-    for name, value in rng.items():
-        try:
-            torch.Generator().set_state(value)  # the same check a real restore would make
-        except (TypeError, RuntimeError) as e:
-            raise ValueError(
-                f"state['replay']['rng'][{name!r}] is not a CPU generator state ({e}); the "
-                f"checkpoint is damaged or not from Prefetcher.state_dict()"
-            ) from e
 
 
 def _length(source: object) -> int | None:

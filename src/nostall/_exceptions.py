@@ -118,6 +118,14 @@ def add_note(error: BaseException, note: str) -> None:
             error.__notes__ = [note]  # type: ignore[attr-defined]
 
 
+def is_noted(error: BaseException) -> bool:
+    """Whether ``error`` already carries a note from nostall (it is noted once, where it arose)."""
+    notes = getattr(error, "__notes__", None)
+    return isinstance(notes, list) and any(
+        isinstance(note, str) and note.startswith("nostall:") for note in notes
+    )
+
+
 def noted(error: BaseException, where: str) -> BaseException:
     """``error`` itself, noted with where it happened (it reaches the user unwrapped)."""
     add_note(error, f"nostall: {where}; re-raised in the consumer after the batches before it")

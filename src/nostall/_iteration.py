@@ -4,8 +4,8 @@ A :class:`PrefetchIterator` is what ``iter(prefetcher)`` returns. It starts a pr
 (:mod:`nostall._producer`) on its first ``next()``, takes batches, errors and the epoch's end from
 its channel (:mod:`nostall._channel`) in order, and hands each batch out through the staging
 (:mod:`nostall._staging`).
-Consecutive passes of one Prefetcher share a :class:`Lineage`: the epoch, the position to resume
-from, the producer that runs ahead across epochs.
+Consecutive passes of one Prefetcher share a :class:`~nostall._lineage.Lineage`: the position
+to resume from, the producer that runs ahead across epochs.
 
 Lifecycle of an iterator (:class:`Lifecycle`)::
 
@@ -20,18 +20,24 @@ import enum
 import itertools
 import threading
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import torch
 
 from . import _producer
 from ._autodepth import auto_depth_limit
-from ._channel import BATCH, END, ERROR, POLL_S, Channel, Message
-from ._epochs import EpochSource, readable_epoch
-from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, add_note
+from ._channel import BATCH, END, ERROR, Channel, Message
+from ._epochs import readable_epoch
+from ._exceptions import (
+    NostallError,
+    PrefetcherClosedError,
+    add_note,
+    is_noted,
+)
+from ._lineage import Lineage, check_not_forked
 from ._producer import Puller, produce
+from ._resume import AS_BUILT
 from ._source_checks import describe, warn_if_hidden_from_framework
 from ._staging import CudaStaging
 
@@ -52,69 +58,9 @@ class Owner(Protocol[T]):
     _lineage: Lineage
     _shard: bool | None
     _recorder: StallRecorder | None
-    depth: int | str
+    depth: int | Literal["auto"]
     device: torch.device
     timeout: float | None
-
-
-class Lineage:
-    """What consecutive iterations of one Prefetcher share and hand on to each other.
-
-    Holds no reference to the Prefetcher (only weak ones to its iterations), so that a
-    finaliser can use it after the Prefetcher is gone.
-    """
-
-    def __init__(self, one_shot: bool, epochs: EpochSource) -> None:
-        self.one_shot = one_shot  # the source is its own iterator (a generator, say)
-        self.epochs = epochs
-        self.epoch = 0  # the epoch the next (or current) iteration yields
-        #: (epoch, batches handed out in it, state needed to resume there); None before any.
-        self.position: tuple[int, int, Any] | None = None
-        self.loaded: dict[str, Any] | None = None  # a state loaded and not yet iterated
-        self.thread: threading.Thread | None = None  # the latest producer
-        #: A one-shot source's latest puller: what it fetched and nobody took is carried over.
-        self.carried: Puller | None = None
-        #: Across epochs, the puller already fetching ``epoch`` between iterations.
-        self.ahead: Puller | None = None
-        self.exhausted = False  # a one-shot source has ended
-        self.active: weakref.ref[PrefetchIterator[Any]] | None = None
-        self.owner_alive = True
-        #: The transform's state after the last batch handed out (before any: as built).
-        self.transform_state: Any = None
-        #: A transform state loaded, to set when the next producer starts (not before: the
-        #: previous producer may still be transforming a batch).
-        self.pending_transform_state: Any = None
-        #: The sampler's epoch marks (``EpochSource.marks``) as nostall last left or saw them;
-        #: marks that differ at the next epoch's start were set by someone else.
-        self.marks = epochs.marks()
-        #: ``_producer.fork_generation`` when this was built: producers do not survive fork().
-        self.fork_generation = _producer.fork_generation
-        #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
-        self.checked_world = False
-
-    def active_iteration(self) -> PrefetchIterator[Any] | None:
-        return self.active() if self.active is not None else None
-
-    def discard_ahead(self, wait: bool = True) -> None:
-        """Stop a producer that runs ahead into the next epoch; what it fetched is dropped.
-
-        With ``wait``, return only once it can no longer touch the source (a pull under way,
-        which may be opening an epoch and calling ``set_epoch``, has finished), so that the
-        caller may change the source's epoch or state itself.
-        """
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            ahead.stop()
-            if wait:
-                ahead.wait_idle()
-
-    @staticmethod
-    def owner_gone(lineage: Lineage) -> None:
-        """The Prefetcher was collected: nobody can start another iteration."""
-        lineage.owner_alive = False
-        active = lineage.active_iteration()
-        if active is None or active._state is not Lifecycle.RUNNING:
-            lineage.discard_ahead(wait=False)  # a finaliser must not block
 
 
 class Lifecycle(enum.Enum):
@@ -187,6 +133,18 @@ class PrefetchIterator(Iterator[T]):
             # thread pulled a batch itself), the iteration stops and its producer with it.
             self._stop("interrupted by KeyboardInterrupt")
             raise
+        except (StopIteration, NostallError):
+            raise
+        except Exception as e:
+            if not is_noted(e):
+                # Raised into this thread by a signal handler wherever next() was: PyTorch's
+                # SIGCHLD handler does so when a DataLoader worker dies.
+                add_note(
+                    e,
+                    f"nostall: raised in the consumer thread during next() for batch "
+                    f"{self._index} of this epoch",
+                )
+            raise
 
     def _next_or_interrupted(self) -> T:
         if self._check_consumer is not None:
@@ -220,27 +178,23 @@ class PrefetchIterator(Iterator[T]):
         mirror = lineage.epochs.mirror
         if kind is BATCH or kind is ERROR:
             self._index += 1
-            lineage.position = (epoch, self._index, state)
-            lineage.loaded = None
             if kind is ERROR:
+                lineage.at = lineage.at.after(epoch, self._index, state, None)
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
+            lineage.at = lineage.at.after(epoch, self._index, state, payload.transform_state)
             if mirror is not None:
                 mirror.hand_out(hook, end=False)
-            if payload.transform_state is not None:
-                lineage.transform_state = payload.transform_state
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
         if isinstance(payload, KeyboardInterrupt):
             raise payload  # from a pull in this thread: _next stops the iteration
-        self._last_depth = puller.channel.depth
+        self._last_depth = self._lineage.last_depth = puller.channel.depth
         self._puller = None
         self._state = Lifecycle.DONE
         if kind is END:
             if mirror is not None:
                 mirror.hand_out(hook, end=True)
-            lineage.position = (epoch + 1, 0, state)
-            lineage.loaded = None
-            lineage.epoch = epoch + 1
+            lineage.at = lineage.at.after(epoch + 1, 0, state, None)
             epochs = lineage.epochs
             # set_epoch for the next epoch here, in the consumer's thread (unless the producer
             # already opened it ahead): a set_epoch the user makes after this comes after ours.
@@ -273,11 +227,15 @@ class PrefetchIterator(Iterator[T]):
         epochs = lineage.epochs
         self._stop("the epoch was complete (len(source) batches) when a new iter() began")
         self._state = Lifecycle.DONE
-        lineage.epoch = puller.epoch + 1
-        lineage.position = None if epochs.stateful else (lineage.epoch, 0, epochs.end_state())
-        lineage.loaded = None
+        after = AS_BUILT if epochs.stateful else epochs.end_state()
+        lineage.at = lineage.at.after(puller.epoch + 1, 0, after, None)
         if epochs.mirror is not None:
             epochs.mirror.abandon()  # accelerate's own iterator would not have ended either
+
+    @property
+    def running(self) -> bool:
+        """Whether its producer may still be fetching for it (started, not ended or stopped)."""
+        return self._state is Lifecycle.RUNNING
 
     @property
     def depth(self) -> int:
@@ -297,13 +255,13 @@ class PrefetchIterator(Iterator[T]):
             warn_if_hidden_from_framework(self._source, self._shard)
         ahead, lineage.ahead = lineage.ahead, None
         if ahead is not None and not ahead.stopped:
-            if _opened_with_current_epoch(ahead, lineage):
+            if lineage.opened_with_current_epoch(ahead):
                 self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
                 return ahead  # across epochs: this epoch is already being fetched
             ahead.stop()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
-        self._wait_for_previous_producer()
+        lineage.wait_for_previous_producer(self._timeout)
         # (An iteration stopped just after its producer opened the next epoch ahead leaves the
         # sampler at that epoch; that reads as an outside set_epoch, and is followed: a user who
         # set the same epoch on the sampler cannot be told apart, and must not get the old one.)
@@ -329,7 +287,7 @@ class PrefetchIterator(Iterator[T]):
             )
         self._state = Lifecycle.RUNNING
         self._puller = puller
-        if lineage.one_shot and self._carry_over(channel):
+        if lineage.one_shot and lineage.carry_over(channel):
             return puller
         if lineage.one_shot and lineage.exhausted:
             warnings.warn(
@@ -399,53 +357,8 @@ class PrefetchIterator(Iterator[T]):
         lineage.marks = now
         outside = readable_epoch(self._source)
         if outside is not None and outside != lineage.epoch:
-            resume = epochs.resume
-            if resume is not None and resume["epoch"] != outside:
-                warnings.warn(
-                    f"nostall: the sampler was set to epoch {outside} after load_state_dict() "
-                    f"of a state for epoch {resume['epoch']}: the loaded state is dropped",
-                    UserWarning,
-                    stacklevel=4,
-                )
-                epochs.resume = lineage.loaded = None
-            lineage.epoch = outside
-            if lineage.position is not None and lineage.position[0] != outside:
-                lineage.position = None
+            lineage.move_to_epoch(outside, f"the sampler was set to epoch {outside}", stacklevel=5)
         return True
-
-    def _wait_for_previous_producer(self) -> None:
-        previous = self._lineage.thread
-        if previous is None:
-            return
-        waited = 0.0
-        while previous.is_alive():
-            if self._timeout is not None and waited >= self._timeout:
-                raise PrefetchTimeoutError(
-                    f"the previous iteration's producer thread {previous.name!r} is still inside "
-                    f"next(source) after timeout={self._timeout} s; a new iteration cannot start "
-                    f"until it returns, since two threads must not pull from one source",
-                    timeout=self._timeout,
-                    phase="inside next(source) for the previous iteration",
-                    thread=previous.name,
-                )
-            previous.join(POLL_S)
-            waited += POLL_S
-
-    def _carry_over(self, channel: Channel) -> bool:
-        """Move batches a stopped iteration of a one-shot source fetched but never handed out.
-
-        Returns True when the carried messages include the end of the source or its error, so
-        that no producer is needed.
-        """
-        previous = self._lineage.carried
-        self._lineage.carried = None
-        if previous is None:
-            return False
-        for message in previous.channel.drain():
-            channel.put_ready(message)  # never more than depth: the old channel held as many
-            if message[0] is not BATCH:
-                return True
-        return False
 
     def _stop(self, why: str) -> None:
         if self._state in (Lifecycle.DONE, Lifecycle.STOPPED):
@@ -453,6 +366,7 @@ class PrefetchIterator(Iterator[T]):
         self._state = Lifecycle.STOPPED
         self._stopped_why = why
         if self._puller is not None:
+            self._last_depth = self._lineage.last_depth = self._puller.channel.depth
             self._puller.stop()
             self._puller = None
 
@@ -461,29 +375,5 @@ class PrefetchIterator(Iterator[T]):
         # signals, never joins, since a finaliser must not block.
         puller = self.__dict__.get("_puller")
         if puller is not None:
+            self._lineage.last_depth = puller.channel.depth
             puller.stop()
-
-
-def _opened_with_current_epoch(ahead: Puller, lineage: Lineage) -> bool:
-    """Whether the epoch a producer opened ahead still matches the sampler's epoch.
-
-    Between the end of one epoch and the start of the next, a framework may call ``set_epoch``
-    on the sampler itself. Valid only if the sampler's marks are still those nostall left when
-    it called ``set_epoch`` for this epoch, and the order was drawn with them (or is not drawn
-    yet, and so will be).
-    """
-    with ahead.pull_lock:  # not while the producer is inside the source
-        current = lineage.epochs.marks()
-        if current != lineage.marks:
-            return False
-        drawn = ahead.marks.get(lineage.epoch)
-        return drawn is None or drawn == current
-
-
-def check_not_forked(lineage: Lineage) -> None:
-    if lineage.fork_generation != _producer.fork_generation and lineage.thread is not None:
-        raise PrefetcherClosedError(
-            "this Prefetcher was started in the parent of this process, and its producer "
-            "thread did not survive fork(): create the prefetcher (or call nostall.prefetch "
-            "again) in the process that iterates it, or use the 'spawn' start method"
-        )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from . import _arguments as check
 from ._accelerate import (
@@ -14,23 +13,15 @@ from ._accelerate import (
     is_prepared_shard,
 )
 from ._device import DeviceLike, resolve_device
-from ._epochs import (
-    EpochSource,
-    build_state,
-    check_state,
-    describe_order,
-)
+from ._epochs import EpochSource
 from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
-from ._iteration import Lineage, PrefetchIterator, check_not_forked
+from ._iteration import PrefetchIterator
+from ._lineage import Lineage, check_not_forked
 from ._producer import join_quietly
 from ._profile import StallRecorder, StallReport
-from ._sharding import (
-    check_shardable,
-    distributed_world,
-    is_sharded,
-    shard_loader,
-)
+from ._resume import loaded_position, state_of
+from ._sharding import check_shardable, sharded_copy
 from ._source_checks import (
     describe,
     refuse_unsupported,
@@ -44,14 +35,12 @@ T = TypeVar("T")
 #: How long close() waits for a producer that is inside the source's __next__ (seconds).
 CLOSE_JOIN_S = 5.0
 
-_thread_ids = itertools.count()
-
 
 def prefetch(
     source: Iterable[T],
     device: DeviceLike = None,
     *,
-    depth: int | str = 2,
+    depth: int | Literal["auto"] = 2,
     pin_memory: bool | None = None,
     timeout: float | None = None,
     across_epochs: bool = False,
@@ -150,7 +139,7 @@ class Prefetcher(Generic[T]):
         source: Iterable[T],
         device: DeviceLike = None,
         *,
-        depth: int | str = 2,
+        depth: int | Literal["auto"] = 2,
         pin_memory: bool | None = None,
         timeout: float | None = None,
         across_epochs: bool = False,
@@ -192,9 +181,10 @@ class Prefetcher(Generic[T]):
         refuse_unsupported(source, across_epochs, mirror)
         self._shard = shard
         self._lineage = Lineage(
-            isinstance(source, Iterator), EpochSource(source, across_epochs, mirror)
+            isinstance(source, Iterator),
+            EpochSource(source, across_epochs, mirror),
+            self._staging.transform_state(),
         )
-        self._lineage.transform_state = self._staging.transform_state()
         self._recorder = StallRecorder(self.device) if profile else None
         self._closed = False
         # Across epochs the producer outlives each iteration; once nobody can start the next
@@ -217,20 +207,30 @@ class Prefetcher(Generic[T]):
         """
         if not self.__dict__.get("_shard"):
             return
-        world = distributed_world()
-        if world is None or is_sharded(self._source):
-            return
-        lineage = self._lineage
-        if lineage.thread is not None:
-            return  # an epoch already ran unsharded; switching now would mix the two
-        sharded = shard_loader(self._source, *world)  # type: ignore[arg-type]
-        object.__setattr__(self, "_source", sharded)
-        lineage.epochs.source = sharded
+        sharded = sharded_copy(self._source, started=self._lineage.thread is not None)
+        if sharded is not None:
+            object.__setattr__(self, "_source", sharded)
+            self._lineage.epochs.source = sharded
 
     @property
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
         return self._closed
+
+    @property
+    def current_depth(self) -> int:
+        """Batches the current (else the latest) iteration may fetch ahead.
+
+        ``depth`` itself, or with ``depth="auto"`` what it grew to so far: 1 at each epoch's
+        start (or where the last epoch left it, with ``across_epochs``), doubled whenever the
+        loop found nothing ready, up to what the device's memory budget holds.
+        """
+        active = self._lineage.active_iteration()
+        if active is not None:
+            return active.depth
+        if self._lineage.last_depth is not None:
+            return self._lineage.last_depth
+        return 1 if self.depth == "auto" else int(self.depth)
 
     @property
     def epoch(self) -> int:
@@ -318,21 +318,7 @@ class Prefetcher(Generic[T]):
         if lineage.ahead is not None and epoch == lineage.epoch:
             return  # the producer already started this epoch, with set_epoch(epoch)
         lineage.discard_ahead()
-        if lineage.position is not None and (
-            lineage.position[0] != epoch or lineage.position[1] == 0
-        ):
-            # Another epoch, or this one not begun: a state saved now must hold what this
-            # set_epoch did to the sampler, which only a fresh start state reads.
-            lineage.position = None
-        if lineage.epochs.resume is not None and lineage.epochs.resume["epoch"] != epoch:
-            warnings.warn(
-                f"nostall: set_epoch({epoch}) after load_state_dict() of a state for epoch "
-                f"{lineage.epochs.resume['epoch']}: the loaded state is dropped",
-                UserWarning,
-                stacklevel=2,
-            )
-            lineage.epochs.resume = lineage.loaded = None
-        lineage.epoch = epoch
+        lineage.move_to_epoch(epoch, f"set_epoch({epoch})", stacklevel=3)
         self._resolve_shard()
         _forward_set_epoch(self._source, epoch)
         lineage.marks = lineage.epochs.marks()
@@ -344,28 +330,7 @@ class Prefetcher(Generic[T]):
         :meth:`load_state_dict` of a fresh prefetcher over an identically built source.
         """
         lineage = self._lineage
-        if lineage.loaded is not None and lineage.position is None:
-            return lineage.loaded
-        epochs = lineage.epochs
-        if lineage.position is None:
-            # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
-            epoch, yielded = lineage.epoch, 0
-            saved = epochs.start_state()
-        else:
-            epoch, yielded, saved = lineage.position
-            if yielded and yielded == epochs.length() and not epochs.stateful:
-                # Every batch handed out, the end not yet asked for (Lightning never asks):
-                # resuming from here starts the next epoch, not an empty rest of this one;
-                # how this epoch ended is replayed if the resumed loop asks for the end.
-                end_of = {**saved, "batches": yielded} if isinstance(saved, dict) else None
-                epoch, yielded, saved = epoch + 1, 0, {**epochs.end_state(), "end_of": end_of}
-        if epochs.stateful:
-            state = build_state(epoch, yielded, saved, None, {})
-        else:
-            state = build_state(epoch, yielded, None, saved, describe_order(self._source))
-        if lineage.transform_state is not None:
-            state["transform"] = lineage.transform_state
-        return state
+        return state_of(lineage.at, lineage.epochs)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state``: the next iteration yields the rest of its epoch.
@@ -378,33 +343,18 @@ class Prefetcher(Generic[T]):
             raise PrefetcherClosedError("this Prefetcher was closed; it cannot load a state")
         lineage = self._lineage
         self._resolve_shard()
-        checked = check_state(state, lineage.epochs)
+        at = loaded_position(state, lineage.epochs, self._staging.transform, lineage.at)
         if lineage.epochs.stateful:
             warn_inexact_stateful_resume(self._source)
-        transform_state = checked.get("transform")
-        transform = self._staging.transform
-        if transform_state is not None and transform is not None:
-            check = getattr(transform, "check_state", None)
-            if callable(check):
-                check(transform_state)  # a mismatch fails here, not at the next epoch
-            elif not callable(getattr(transform, "load_state_dict", None)):
-                raise ValueError(
-                    f"the state holds a transform state, but this prefetcher's transform "
-                    f"{transform!r:.60} has no load_state_dict(); pass the transform it was "
-                    f"saved with"
-                )
         active = lineage.active_iteration()
         if active is not None:
             active._stop("load_state_dict() was called on the Prefetcher")
         lineage.discard_ahead()
-        lineage.epoch = checked["epoch"]
-        lineage.epochs.resume = checked
-        lineage.loaded = checked
-        lineage.position = None
+        lineage.at = at
+        lineage.epochs.resume = at.loaded
         lineage.marks = lineage.epochs.marks()
-        if transform_state is not None and transform is not None:
-            lineage.pending_transform_state = transform_state
-            lineage.transform_state = transform_state
+        if state.get("transform") is not None and self._staging.transform is not None:
+            lineage.pending_transform_state = at.transform_state
 
     def close(self) -> None:
         """Stop the current iteration and its producer thread; idempotent.

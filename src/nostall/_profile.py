@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from . import _arguments as check
 from ._device import DeviceLike, resolve_device
 from ._tree import batch_size_of
 
@@ -292,14 +293,15 @@ class Profiled(Generic[T]):
         self.recorder.reset()
 
 
-def profile(iterable: Iterable[T], *, device: DeviceLike = None) -> Profiled[T]:
-    """Wrap ``iterable`` to measure how long the loop waits for each batch.
+def profile(source: Iterable[T], device: DeviceLike = None) -> Profiled[T]:
+    """Wrap ``source`` to measure how long the loop waits for each batch.
 
     The batches are yielded unchanged. ``wrapper.report()`` returns a :class:`StallReport`.
     ``device`` is the device the step runs on (default: CUDA when available); on CUDA the GPU's
     idle time between steps is measured too.
     """
-    return Profiled(iterable, resolve_device(device))
+    check.source(source, "nostall.profile")
+    return Profiled(source, resolve_device(device))
 
 
 def _event(device: torch.device) -> torch.cuda.Event:

@@ -19,7 +19,7 @@ from ._tree import UNHANDLED, map_tensors
 T = TypeVar("T")
 
 
-def to_device(batch: T, device: DeviceLike, non_blocking: bool = False) -> T:
+def to_device(batch: T, device: DeviceLike, *, non_blocking: bool = False) -> T:
     """Return ``batch`` with every tensor moved to ``device``, every container kept as its type.
 
     Tensors are moved with ``Tensor.to``; objects with their own ``.to()`` method are asked to move

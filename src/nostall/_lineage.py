@@ -1,0 +1,192 @@
+"""What consecutive passes of one Prefetcher hand on to each other.
+
+A :class:`Lineage` holds the consumer's position (:class:`~nostall._resume.Position`: the
+epoch, the batches of it handed out, what resuming there needs), the producer that runs ahead
+into the next epoch, the batches a stopped pass of a one-shot source fetched and nobody took,
+and the latest producer thread (two must never pull from one source).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any, Protocol
+
+from . import _producer
+from ._channel import BATCH, POLL_S, Channel
+from ._epochs import EpochSource
+from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
+from ._producer import Puller
+from ._resume import Position
+
+
+class Iteration(Protocol):
+    """What the lineage asks of the pass it holds (a ``PrefetchIterator``)."""
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def depth(self) -> int: ...
+
+    def _finish_if_complete(self) -> None: ...
+
+    def _stop(self, why: str) -> None: ...
+
+
+class Lineage:
+    """What consecutive iterations of one Prefetcher share and hand on to each other.
+
+    Holds no reference to the Prefetcher (only weak ones to its iterations), so that a
+    finaliser can use it after the Prefetcher is gone.
+
+    Invariants:
+        * ``at`` only moves when the user receives something (a batch, one batch's error, an
+          epoch's end), sets an epoch, or loads a state: never when a batch is fetched ahead.
+        * At most one producer pulls from the source: a new one starts after ``thread`` ended,
+          or is ``ahead`` itself.
+    """
+
+    def __init__(self, one_shot: bool, epochs: EpochSource, transform_state: Any) -> None:
+        self.one_shot = one_shot  # the source is its own iterator (a generator, say)
+        self.epochs = epochs
+        #: Where the consumer is, and what a state saved now holds.
+        self.at = Position.start(0, transform_state)
+        self.thread: threading.Thread | None = None  # the latest producer
+        #: A one-shot source's latest puller: what it fetched and nobody took is carried over.
+        self.carried: Puller | None = None
+        #: Across epochs, the puller already fetching ``epoch`` between iterations.
+        self.ahead: Puller | None = None
+        self.exhausted = False  # a one-shot source has ended
+        #: The depth the latest pass used when it ended (grown, with ``depth="auto"``).
+        self.last_depth: int | None = None
+        self.active: weakref.ref[Iteration] | None = None
+        self.owner_alive = True
+        #: A transform state loaded, to set when the next producer starts (not before: the
+        #: previous producer may still be transforming a batch).
+        self.pending_transform_state: Any = None
+        #: The sampler's epoch marks (``EpochSource.marks``) as nostall last left or saw them;
+        #: marks that differ at the next epoch's start were set by someone else.
+        self.marks = epochs.marks()
+        #: ``_producer.fork_generation`` when this was built: producers do not survive fork().
+        self.fork_generation = _producer.fork_generation
+        #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
+        self.checked_world = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) iteration yields."""
+        return self.at.epoch
+
+    def active_iteration(self) -> Iteration | None:
+        """The latest iteration, while it exists (a ``PrefetchIterator``), else None."""
+        return self.active() if self.active is not None else None
+
+    def move_to_epoch(self, epoch: int, who: str, *, stacklevel: int) -> None:
+        """The epoch was set to ``epoch`` by ``who``: the position moves there.
+
+        ``who`` is the user's ``set_epoch``, or someone else setting the sampler's epoch.
+
+        A state loaded for another epoch is dropped, with a warning at ``stacklevel``; the
+        position of this epoch, once begun, stands (nothing about the order changed).
+        """
+        resume, dropped = self.epochs.resume, False
+        if resume is not None and resume["epoch"] != epoch:
+            warnings.warn(
+                f"nostall: {who} after load_state_dict() of a state for epoch "
+                f"{resume['epoch']}: the loaded state is dropped",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+            self.epochs.resume, dropped = None, True
+        at = self.at
+        # Another epoch, or this one not begun: a state saved now must hold what was done to
+        # the sampler, which only a fresh start state reads.
+        begun = at.epoch == epoch and at.handed_out > 0 and at.loaded is None
+        self.at = at.moved_to(epoch, keep_source_state=begun, keep_loaded=not dropped)
+
+    def opened_with_current_epoch(self, ahead: Puller) -> bool:
+        """Whether the epoch a producer opened ahead still matches the sampler's epoch.
+
+        Between the end of one epoch and the start of the next, a framework may call
+        ``set_epoch`` on the sampler itself. Valid only if the sampler's marks are still those
+        nostall left when it called ``set_epoch`` for this epoch, and the order was drawn with
+        them (or is not drawn yet, and so will be).
+        """
+        with ahead.pull_lock:  # not while the producer is inside the source
+            current = self.epochs.marks()
+            if current != self.marks:
+                return False
+            drawn = ahead.marks.get(self.epoch)
+            return drawn is None or drawn == current
+
+    def wait_for_previous_producer(self, timeout: float | None) -> None:
+        """Return once the latest producer ended: two threads must never pull from one source.
+
+        Raises:
+            PrefetchTimeoutError: it is still inside ``next(source)`` after ``timeout`` s (the
+                lineage is left as it was, so that the caller may try again).
+        """
+        previous = self.thread
+        if previous is None:
+            return
+        waited = 0.0
+        while previous.is_alive():
+            if timeout is not None and waited >= timeout:
+                raise PrefetchTimeoutError(
+                    f"the previous iteration's producer thread {previous.name!r} is still inside "
+                    f"next(source) after timeout={timeout} s; a new iteration cannot start "
+                    f"until it returns, since two threads must not pull from one source",
+                    timeout=timeout,
+                    phase="inside next(source) for the previous iteration",
+                    thread=previous.name,
+                )
+            previous.join(POLL_S)
+            waited += POLL_S
+
+    def carry_over(self, channel: Channel) -> bool:
+        """Move batches a stopped pass of a one-shot source fetched and nobody took to ``channel``.
+
+        Returns True when the carried messages include the end of the source or its error, so
+        that no producer is needed.
+        """
+        previous, self.carried = self.carried, None
+        if previous is None:
+            return False
+        for message in previous.channel.drain():
+            channel.put_ready(message)  # never more than depth: the old channel held as many
+            if message[0] is not BATCH:
+                return True
+        return False
+
+    def discard_ahead(self, wait: bool = True) -> None:
+        """Stop a producer that runs ahead into the next epoch; what it fetched is dropped.
+
+        With ``wait``, return only once it can no longer touch the source (a pull under way,
+        which may be opening an epoch and calling ``set_epoch``, has finished), so that the
+        caller may change the source's epoch or state itself.
+        """
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.stop()
+            if wait:
+                ahead.wait_idle()
+
+    @staticmethod
+    def owner_gone(lineage: Lineage) -> None:
+        """The Prefetcher was collected: nobody can start another iteration."""
+        lineage.owner_alive = False
+        active = lineage.active_iteration()
+        if active is None or not active.running:
+            lineage.discard_ahead(wait=False)  # a finaliser must not block
+
+
+def check_not_forked(lineage: Lineage) -> None:
+    """Refuse to go on in a child process: the producer thread did not survive fork()."""
+    if lineage.fork_generation != _producer.fork_generation and lineage.thread is not None:
+        raise PrefetcherClosedError(
+            "this Prefetcher was started in the parent of this process, and its producer "
+            "thread did not survive fork(): create the prefetcher (or call nostall.prefetch "
+            "again) in the process that iterates it, or use the 'spawn' start method"
+        )

@@ -1,0 +1,240 @@
+"""Where a run resumes: the consumer's position, and the checkpoint made from it.
+
+The consumer's position is one value, :class:`Position`. It is replaced, never changed, each
+time a batch (or one batch's error) is handed out, an epoch ends, an epoch is set, or a state is
+loaded. ``Prefetcher.state_dict()`` is a function of it and the source (:func:`state_of`);
+``Prefetcher.load_state_dict()`` checks a saved dictionary against the source
+(:func:`check_state`) and makes the position that resumes from it (:func:`loaded_position`).
+Batches fetched ahead never move the position: only what the user received does.
+
+The dictionary, version :data:`STATE_VERSION`::
+
+    {"nostall": 1,
+     "epoch": e,                # the epoch to resume
+     "batches_yielded": n,      # batches of it the user already received
+     "source_state": ...,       # a stateful source's own state_dict() (else None)
+     "replay": {...},           # else: what the epoch's order was drawn from (random states,
+                                # the sampler's epoch), to draw it again and skip n batches
+     "transform": ...}          # a stateful transform's state_dict() (only with one)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import torch
+
+from ._epochs import EpochSource, describe_order
+
+#: Version of the state format written by ``Prefetcher.state_dict``.
+STATE_VERSION = 1
+
+
+class _Start(enum.Enum):
+    AS_BUILT = "as built"
+
+
+#: ``Position.source_state`` before any batch of the epoch was handed out since the source was
+#: built, its epoch set, or a state loaded: the source is read when the state is saved.
+AS_BUILT = _Start.AS_BUILT
+
+
+class Position(NamedTuple):
+    """Where the consumer is: it has received ``handed_out`` batches of ``epoch``.
+
+    Invariants:
+        * ``epoch`` is the epoch the next (or current) iteration yields.
+        * ``source_state`` is what resuming right after the last batch handed out needs from
+          the source (a stateful source's own ``state_dict()``, else the record to draw the
+          epoch's order again), taken where that batch was pulled; or :data:`AS_BUILT`, and
+          then ``handed_out`` is 0 or ``loaded`` is set.
+        * ``transform_state`` is the transform's ``state_dict()`` after the last batch handed
+          out (as built before any); None without a stateful transform.
+        * ``loaded`` is the state given to ``load_state_dict()``, until a batch is handed out
+          or the epoch is set to another: ``state_dict()`` returns it as it was loaded.
+    """
+
+    epoch: int
+    handed_out: int
+    source_state: Any
+    transform_state: Any
+    loaded: dict[str, Any] | None
+
+    @classmethod
+    def start(cls, epoch: int, transform_state: Any) -> Position:
+        """Before epoch ``epoch``'s first batch, the source as it is."""
+        return cls(epoch, 0, AS_BUILT, transform_state, None)
+
+    def after(
+        self, epoch: int, handed_out: int, source_state: Any, transform_state: Any
+    ) -> Position:
+        """The position once batch ``handed_out`` of ``epoch`` was handed out (the hot path).
+
+        ``transform_state`` None keeps the last one (a transform without state).
+        """
+        if transform_state is None:
+            transform_state = self.transform_state
+        # tuple.__new__ directly: half the cost of the NamedTuple constructor, paid per batch
+        return _new(Position, (epoch, handed_out, source_state, transform_state, None))
+
+    def moved_to(self, epoch: int, *, keep_source_state: bool, keep_loaded: bool) -> Position:
+        """The position once the epoch was set to ``epoch`` (by the user or on the sampler).
+
+        ``keep_source_state`` only when ``epoch`` is this position's own epoch, already begun.
+        """
+        if keep_source_state:
+            return self._replace(loaded=self.loaded if keep_loaded else None)
+        loaded = self.loaded if keep_loaded else None
+        handed_out = self.handed_out if loaded is not None else 0
+        return Position(epoch, handed_out, AS_BUILT, self.transform_state, loaded)
+
+
+_new = tuple.__new__
+
+
+def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
+    """The dictionary ``Prefetcher.state_dict()`` returns at position ``at``."""
+    if at.loaded is not None:
+        return at.loaded
+    epoch, handed_out, saved = at.epoch, at.handed_out, at.source_state
+    if saved is AS_BUILT:
+        # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
+        saved = epochs.start_state()
+    elif handed_out and handed_out == epochs.length() and not epochs.stateful:
+        # Every batch handed out, the end not yet asked for (Lightning never asks): resuming
+        # from here starts the next epoch, not an empty rest of this one; how this epoch ended
+        # is replayed if the resumed loop asks for the end.
+        end_of = {**saved, "batches": handed_out} if isinstance(saved, dict) else None
+        epoch, handed_out, saved = epoch + 1, 0, {**epochs.end_state(), "end_of": end_of}
+    state: dict[str, Any] = {
+        "nostall": STATE_VERSION,
+        "epoch": epoch,
+        "batches_yielded": handed_out,
+        "source_state": saved if epochs.stateful else None,
+        "replay": None
+        if epochs.stateful or saved is None
+        else {**saved, **describe_order(epochs.source)},
+    }
+    if at.transform_state is not None:
+        state["transform"] = at.transform_state
+    return state
+
+
+def loaded_position(
+    state: object, epochs: EpochSource, transform: object, now: Position
+) -> Position:
+    """The position that resumes from ``state`` (checked first); ``now`` is the current one.
+
+    Raises:
+        ValueError: the state is not one nostall wrote, or does not fit this source or this
+            transform.
+    """
+    checked = check_state(state, epochs)
+    transform_state = checked.get("transform")
+    if transform_state is not None and transform is not None:
+        check = getattr(transform, "check_state", None)
+        if callable(check):
+            check(transform_state)  # a mismatch fails here, not at the next epoch
+        elif not callable(getattr(transform, "load_state_dict", None)):
+            raise ValueError(
+                f"the state holds a transform state, but this prefetcher's transform "
+                f"{transform!r:.60} has no load_state_dict(); pass the transform it was saved "
+                f"with"
+            )
+    else:
+        transform_state = now.transform_state
+    return Position(
+        checked["epoch"], checked["batches_yielded"], AS_BUILT, transform_state, checked
+    )
+
+
+def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
+    """Validate a loaded state against the source; return it, or raise ``ValueError``.
+
+    Every field is checked here, at load time, so that a damaged or foreign state is refused
+    with the field's name instead of failing later inside ``next()``.
+    """
+    if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
+        raise ValueError(
+            f"not a nostall Prefetcher state (expected a dict from Prefetcher.state_dict() with "
+            f"'nostall': {STATE_VERSION}; got a {type(state).__name__})"
+        )
+    for key in ("epoch", "batches_yielded"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"state[{key!r}] must be an int >= 0 (got {value!r} that is a "
+                f"{type(value).__name__}); pass a state from Prefetcher.state_dict()"
+            )
+    length = epochs.length()
+    if length is not None and state["batches_yielded"] > length:
+        raise ValueError(
+            f"state['batches_yielded'] is {state['batches_yielded']}, past the end of an epoch "
+            f"of {length} batches; pass a state saved from an identically built loader"
+        )
+    if epochs.stateful:
+        if state.get("source_state") is None and state["batches_yielded"] > 0:
+            raise ValueError(
+                "this state was saved from a source without state_dict(), but the source here "
+                "has one; build the same kind of loader as when the state was saved"
+            )
+        return state
+    replay = state.get("replay")
+    if not isinstance(replay, dict):
+        raise ValueError(
+            "this state holds a source's own state_dict(), but the source here has none; build "
+            "the same kind of loader as when the state was saved (e.g. a StatefulDataLoader)"
+        )
+    here = describe_order(epochs.source)
+    if replay.get("length") != here["length"]:
+        raise ValueError(
+            f"the state was saved for a source of {replay.get('length')} batches, this one has "
+            f"{here['length']}; resume with an identically built loader (same dataset, batch "
+            f"size, drop_last, sampler)"
+        )
+    if replay.get("samplers") != here["samplers"]:
+        raise ValueError(
+            f"the state was saved for samplers {replay.get('samplers')}, this source has "
+            f"{here['samplers']}; resume with an identically built loader"
+        )
+    _check_replay(replay)
+    return state
+
+
+def _check_replay(replay: dict[str, Any]) -> None:
+    end_of = replay.get("end_of")
+    if end_of is not None:
+        if not isinstance(end_of, dict) or not isinstance(end_of.get("batches"), int):
+            raise ValueError(
+                "state['replay']['end_of'] must be a dict with 'batches'; pass a state from "
+                "Prefetcher.state_dict()"
+            )
+        _check_replay({k: v for k, v in end_of.items() if k != "batches"})
+    sampler_epoch = replay.get("sampler_epoch")
+    if sampler_epoch is not None and (
+        isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int) or sampler_epoch < 0
+    ):
+        raise ValueError(
+            f"state['replay']['sampler_epoch'] must be None or an int >= 0 (got "
+            f"{sampler_epoch!r}); pass a state from Prefetcher.state_dict()"
+        )
+    if not isinstance(replay.get("fresh_iterator"), bool):
+        raise ValueError(
+            f"state['replay']['fresh_iterator'] must be True or False (got "
+            f"{replay.get('fresh_iterator')!r}); pass a state from Prefetcher.state_dict()"
+        )
+    rng = replay.get("rng")
+    if not isinstance(rng, dict) or "torch" not in rng:
+        raise ValueError(
+            "state['replay']['rng'] must be a dict of generator states with a 'torch' entry; "
+            "pass a state from Prefetcher.state_dict()"
+        )
+    for name, value in rng.items():
+        try:
+            torch.Generator().set_state(value)  # the same check a real restore would make
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(
+                f"state['replay']['rng'][{name!r}] is not a CPU generator state ({e}); the "
+                f"checkpoint is damaged or not from Prefetcher.state_dict()"
+            ) from e

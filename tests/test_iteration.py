@@ -1,0 +1,116 @@
+"""One pass over the source (``PrefetchIterator``): its lifecycle and where its errors arose.
+
+Most of the iterator's behaviour is tested through the Prefetcher (test_prefetcher.py,
+test_epochs.py, test_exit.py); here, what belongs to the iterator alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import nostall
+from nostall._channel import Channel
+
+
+def nostall_notes(error: BaseException) -> list[str]:
+    return [n for n in getattr(error, "__notes__", []) if n.startswith("nostall:")]
+
+
+def test_an_error_raised_into_next_is_noted_once_with_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error raised into the consumer thread inside next() says where.
+
+    PyTorch's SIGCHLD handler raises a dead DataLoader worker's error wherever the main thread
+    is: waiting, pulling a batch itself, or between the two.
+    """
+    it = iter(nostall.prefetch(DataLoader(range(8), batch_size=2), "cpu"))
+    assert next(it).tolist() == [0, 1]
+    real_get = Channel.get
+
+    def raised_into_the_wait(self: Channel, *args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(Channel, "get", real_get)
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+    monkeypatch.setattr(Channel, "get", raised_into_the_wait)
+    with pytest.raises(RuntimeError, match="DataLoader worker") as raised:
+        next(it)
+    assert nostall_notes(raised.value) == [
+        "nostall: raised in the consumer thread during next() for batch 1 of this epoch"
+    ]
+
+
+def test_an_error_from_the_source_keeps_its_one_note() -> None:
+    def source():  # type: ignore[no-untyped-def]
+        yield 1
+        raise KeyError("bad sample")
+
+    it = iter(nostall.prefetch(source(), "cpu"))
+    assert next(it) == 1
+    with pytest.raises(KeyError) as raised:
+        next(it)
+    notes = nostall_notes(raised.value)
+    assert len(notes) == 1
+    assert "consumer thread during next()" not in notes[0]
+
+
+def test_nostalls_own_errors_and_the_epochs_end_are_not_noted() -> None:
+    prefetcher = nostall.prefetch(DataLoader(range(2), batch_size=2), "cpu")
+    it = iter(prefetcher)
+    next(it)
+    with pytest.raises(StopIteration) as ended:
+        next(it)
+    assert nostall_notes(ended.value) == []
+    it = iter(prefetcher)
+    it.close()
+    with pytest.raises(nostall.PrefetcherClosedError) as closed:
+        next(it)
+    assert nostall_notes(closed.value) == []
+
+
+def test_running_is_true_only_between_the_first_next_and_the_end() -> None:
+    it = iter(nostall.prefetch(DataLoader(range(2), batch_size=2), "cpu"))
+    assert not it.running
+    next(it)
+    assert it.running
+    assert list(it) == []
+    assert not it.running
+
+
+class Slow:
+    """A source whose batches each take a few ms: a fast loop finds nothing ready."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(12):
+            time.sleep(0.005)
+            yield torch.full((4,), i)
+
+
+def test_the_depth_auto_chose_is_readable_during_and_after_the_epoch() -> None:
+    prefetcher = nostall.prefetch(Slow(), "cpu", depth="auto")
+    assert prefetcher.current_depth == 1
+    it = iter(prefetcher)
+    for _ in range(6):
+        next(it)
+    during = prefetcher.current_depth
+    assert during == it.depth
+    assert during >= 2  # the loop found nothing ready, and the depth grew
+    rest = list(it)
+    del it, rest
+    assert prefetcher.current_depth >= during  # it never shrinks within an epoch
+    assert prefetcher.depth == "auto"
+
+
+def test_a_fixed_depth_is_the_current_depth() -> None:
+    prefetcher = nostall.prefetch(Slow(), "cpu", depth=3)
+    assert prefetcher.current_depth == 3
+    for _ in prefetcher:
+        pass
+    assert prefetcher.current_depth == 3

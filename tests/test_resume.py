@@ -1,0 +1,156 @@
+"""The consumer's position and the checkpoint made from it, driven directly.
+
+The behaviour of ``state_dict``/``load_state_dict`` through a Prefetcher is tested in
+test_epochs.py (resuming mid-epoch, across epochs, inside frameworks); here, the value itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from nostall._epochs import EpochSource
+from nostall._resume import (
+    AS_BUILT,
+    STATE_VERSION,
+    Position,
+    check_state,
+    loaded_position,
+    state_of,
+)
+
+
+def epochs_of(n: int = 10, batch_size: int = 2) -> EpochSource:
+    loader = DataLoader(range(n), batch_size=batch_size, shuffle=True)
+    return EpochSource(loader, across_epochs=False)
+
+
+class Counting:
+    """A stateful transform: counts the batches it saw."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, batch: Any) -> Any:
+        self.seen += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+def test_a_position_after_a_batch_is_a_position_and_forgets_a_loaded_state() -> None:
+    loaded = {"nostall": STATE_VERSION}
+    at = Position(2, 3, AS_BUILT, {"seen": 3}, loaded)
+    after = at.after(2, 4, {"rng": "r"}, {"seen": 4})
+    assert type(after) is Position
+    assert after == Position(2, 4, {"rng": "r"}, {"seen": 4}, None)
+
+
+def test_a_batch_without_transform_state_keeps_the_last_one() -> None:
+    at = Position.start(0, {"seen": 7})
+    assert at.after(0, 1, None, None).transform_state == {"seen": 7}
+
+
+def test_moving_to_another_epoch_reads_the_source_again_and_keeps_the_transform() -> None:
+    at = Position(1, 5, {"rng": "r"}, {"seen": 5}, None)
+    moved = at.moved_to(2, keep_source_state=False, keep_loaded=False)
+    assert moved == Position(2, 0, AS_BUILT, {"seen": 5}, None)
+    assert at.moved_to(1, keep_source_state=True, keep_loaded=False) == at
+
+
+def test_moving_keeps_a_loaded_state_only_when_asked() -> None:
+    loaded = {"epoch": 3, "batches_yielded": 4}
+    at = Position(3, 4, AS_BUILT, None, loaded)
+    kept = at.moved_to(3, keep_source_state=False, keep_loaded=True)
+    assert kept.loaded is loaded
+    assert kept.handed_out == 4
+    dropped = at.moved_to(5, keep_source_state=False, keep_loaded=False)
+    assert dropped == Position(5, 0, AS_BUILT, None, None)
+
+
+def test_a_loaded_state_is_saved_as_it_was_loaded() -> None:
+    loaded: dict[str, Any] = {"nostall": STATE_VERSION, "epoch": 9}
+    assert state_of(Position(9, 0, AS_BUILT, None, loaded), epochs_of()) is loaded
+
+
+def test_the_state_before_any_batch_reads_the_source_then() -> None:
+    epochs = epochs_of()
+    torch.manual_seed(3)
+    state = state_of(Position.start(4, None), epochs)
+    assert (state["nostall"], state["epoch"], state["batches_yielded"]) == (STATE_VERSION, 4, 0)
+    assert state["source_state"] is None  # a DataLoader has no state_dict(): replayed
+    assert torch.equal(state["replay"]["rng"]["torch"], torch.get_rng_state())
+    assert state["replay"]["length"] == 5
+    assert "transform" not in state
+
+
+def test_the_state_holds_the_transform_state_when_there_is_one() -> None:
+    state = state_of(Position.start(0, {"seen": 2}), epochs_of())
+    assert state["transform"] == {"seen": 2}
+
+
+def test_every_batch_handed_out_resumes_at_the_next_epoch_with_how_this_one_ended() -> None:
+    epochs = epochs_of(n=4)  # two batches
+    record = {"rng": {"torch": torch.get_rng_state()}, "sampler_epoch": None}
+    state = state_of(Position(0, 2, record, None, None), epochs)
+    assert (state["epoch"], state["batches_yielded"]) == (1, 0)
+    assert state["replay"]["end_of"]["batches"] == 2
+
+
+def test_a_saved_state_checks_and_loads_into_a_position() -> None:
+    epochs = epochs_of()
+    saved = state_of(Position.start(1, {"seen": 0}), epochs)
+    at = loaded_position(saved, epochs, Counting(), Position.start(0, None))
+    assert at == Position(1, 0, AS_BUILT, {"seen": 0}, saved)
+
+
+def test_a_state_without_a_transform_keeps_the_transform_where_it_is() -> None:
+    epochs = epochs_of()
+    saved = state_of(Position.start(1, None), epochs)
+    at = loaded_position(saved, epochs, Counting(), Position.start(0, {"seen": 6}))
+    assert at.transform_state == {"seen": 6}
+
+
+def test_a_transform_state_for_a_transform_without_load_state_dict_is_refused() -> None:
+    epochs = epochs_of()
+    saved = state_of(Position.start(1, {"seen": 0}), epochs)
+    with pytest.raises(ValueError, match="has no load_state_dict"):
+        loaded_position(saved, epochs, lambda batch: batch, Position.start(0, None))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"nostall": 99}, "not a nostall Prefetcher state"),
+        ({"epoch": -1}, r"state\['epoch'\] must be an int >= 0"),
+        ({"batches_yielded": True}, r"state\['batches_yielded'\] must be an int >= 0"),
+        ({"batches_yielded": 6}, "past the end of an epoch of 5 batches"),
+        ({"replay": None}, "source here has none"),
+    ],
+)
+def test_check_state_names_the_field_that_is_wrong(change: dict[str, Any], match: str) -> None:
+    epochs = epochs_of()
+    saved = state_of(Position.start(0, None), epochs)
+    with pytest.raises(ValueError, match=match):
+        check_state({**saved, **change}, epochs)
+
+
+def test_check_state_refuses_a_state_for_another_length() -> None:
+    saved = state_of(Position.start(0, None), epochs_of(n=10))
+    with pytest.raises(ValueError, match="source of 5 batches, this one has 6"):
+        check_state(saved, epochs_of(n=12))
+
+
+def test_check_state_refuses_a_damaged_random_state() -> None:
+    epochs = epochs_of()
+    saved = state_of(Position.start(0, None), epochs)
+    damaged = {**saved, "replay": {**saved["replay"], "rng": {"torch": torch.zeros(3)}}}
+    with pytest.raises(ValueError, match=r"state\['replay'\]\['rng'\]\['torch'\]"):
+        check_state(damaged, epochs)
