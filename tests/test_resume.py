@@ -45,17 +45,24 @@ class Counting:
         self.seen = state["seen"]
 
 
-def test_a_position_after_a_batch_is_a_position_and_forgets_a_loaded_state() -> None:
+def test_a_batch_handed_out_advances_the_position_and_forgets_a_loaded_state() -> None:
     loaded = {"nostall": STATE_VERSION}
     at = Position(2, 3, AS_BUILT, {"seen": 3}, loaded)
-    after = at.after(2, 4, {"rng": "r"}, {"seen": 4})
-    assert type(after) is Position
-    assert after == Position(2, 4, {"rng": "r"}, {"seen": 4}, None)
+    at.advance(2, 4, {"rng": "r"}, {"seen": 4})
+    assert at == Position(2, 4, {"rng": "r"}, {"seen": 4}, None)
 
 
 def test_a_batch_without_transform_state_keeps_the_last_one() -> None:
     at = Position.start(0, {"seen": 7})
-    assert at.after(0, 1, None, None).transform_state == {"seen": 7}
+    at.advance(0, 1, None, None)
+    assert at.transform_state == {"seen": 7}
+
+
+def test_after_an_epoch_is_a_new_position_with_the_transform_as_now() -> None:
+    at = Position(0, 5, {"rng": "r"}, {"seen": 5}, None)
+    after = at.after(1, 0, {"rng": "end"})
+    assert after == Position(1, 0, {"rng": "end"}, {"seen": 5}, None)
+    assert at.epoch == 0  # the old value is left as it was
 
 
 def test_moving_to_another_epoch_reads_the_source_again_and_keeps_the_transform() -> None:

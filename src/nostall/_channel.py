@@ -73,6 +73,8 @@ class Channel:
         self.phase = phase
         self.slots = threading.Semaphore(depth)
         self.items: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        #: Whether nothing is queued now (the queue's own method: asked for every batch).
+        self.empty: Callable[[], bool] = self.items.empty
         self.stop = threading.Event()
         #: Wakes a producer waiting for a slot or for the consumer (set by either side).
         self.wake = threading.Event()
@@ -128,17 +130,19 @@ class Channel:
             if self.auto_limit is not None:
                 self._grow()
             # A pull here cannot be interrupted by a timeout, so none is done when one is set.
-            if timeout is None and pull_here is not None and self._producer_alive():
+            thread = self.thread  # a dead producer is for _wait to report
+            if (
+                timeout is None
+                and pull_here is not None
+                and thread is not None
+                and thread.is_alive()
+            ):
                 stolen = pull_here()
                 if stolen is not None:
                     return stolen
             message = self._wait(index, timeout)
         self.slots.release()
         return message
-
-    def empty(self) -> bool:
-        """Whether nothing is queued now."""
-        return self.items.empty()
 
     def limit_growth(self, most: int) -> None:
         """With ``depth="auto"``: let ``depth`` grow up to ``most`` (it never shrinks)."""

@@ -20,7 +20,7 @@ import enum
 import itertools
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import torch
@@ -104,6 +104,8 @@ class PrefetchIterator(Iterator[T]):
         self._state = Lifecycle.CREATED
         self._stopped_why = ""
         self._puller: Puller | None = None
+        #: ``_puller.pull_here``, bound once per epoch rather than once per batch.
+        self._pull_here: Callable[[], Message | None] | None = None
         self._index = 0  # batches of this epoch handed out so far
         #: This thread's intra-op thread count, to give back to the process once the producer
         #: has set its own (torch keeps the last count set, in any thread, for new threads).
@@ -127,7 +129,19 @@ class PrefetchIterator(Iterator[T]):
 
     def _next(self) -> T:
         try:
-            return self._next_or_interrupted()
+            if self._check_consumer is not None:
+                self._check_consumer()
+            puller = self._puller
+            if puller is None:
+                puller = self._start_or_end()
+            elif self._lineage.fork_generation != _producer.fork_generation:
+                check_not_forked(self._lineage)
+            if puller.after_error:
+                self._go_on_after_error(puller)  # the loop caught the error and asks for more
+            if self._index == puller.expected:
+                puller.ask_for_end()  # asked past the last batch: the source may now end
+            message = puller.channel.get(self._index, self._timeout, self._pull_here)
+            return self._take(puller, message)
         except KeyboardInterrupt:
             # Wherever it landed (starting the epoch, waiting, or inside the source when this
             # thread pulled a batch itself), the iteration stops and its producer with it.
@@ -146,27 +160,16 @@ class PrefetchIterator(Iterator[T]):
                 )
             raise
 
-    def _next_or_interrupted(self) -> T:
-        if self._check_consumer is not None:
-            self._check_consumer()
-        puller = self._puller
-        if puller is None:
-            if self._state is Lifecycle.CREATED:
-                puller = self._start()
-            elif self._state is Lifecycle.STOPPED:
-                raise PrefetcherClosedError(
-                    f"this iteration was stopped: {self._stopped_why}; start a new one with "
-                    f"iter(prefetcher)"
-                )
-            else:
-                raise StopIteration
-        elif self._lineage.fork_generation != _producer.fork_generation:
-            check_not_forked(self._lineage)
-        if puller.after_error:
-            self._go_on_after_error(puller)  # the loop caught the error and asks for more
-        if self._index == puller.expected:
-            puller.ask_for_end()  # asked past the last batch: the source may now end
-        return self._take(puller, puller.channel.get(self._index, self._timeout, puller.pull_here))
+    def _start_or_end(self) -> Puller:
+        """No producer: start one on the first next(), else say why nothing more comes."""
+        if self._state is Lifecycle.CREATED:
+            return self._start()
+        if self._state is Lifecycle.STOPPED:
+            raise PrefetcherClosedError(
+                f"this iteration was stopped: {self._stopped_why}; start a new one with "
+                f"iter(prefetcher)"
+            )
+        raise StopIteration
 
     def _take(self, puller: Puller, message: Message) -> T:
         """Hand out one message from ``puller``'s channel: a batch, an error, or the epoch's end."""
@@ -179,12 +182,14 @@ class PrefetchIterator(Iterator[T]):
         if kind is BATCH or kind is ERROR:
             self._index += 1
             if kind is ERROR:
-                lineage.at = lineage.at.after(epoch, self._index, state, None)
+                lineage.at.advance(epoch, self._index, state, None)
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
-            lineage.at = lineage.at.after(epoch, self._index, state, payload.transform_state)
+            lineage.at.advance(epoch, self._index, state, payload.transform_state)
             if mirror is not None:
                 mirror.hand_out(hook, end=False)
+            if self._check_consumer is None:
+                return payload.batch  # type: ignore[no-any-return]  # off CUDA: nothing to wait for
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
         if isinstance(payload, KeyboardInterrupt):
             raise payload  # from a pull in this thread: _next stops the iteration
@@ -194,7 +199,7 @@ class PrefetchIterator(Iterator[T]):
         if kind is END:
             if mirror is not None:
                 mirror.hand_out(hook, end=True)
-            lineage.at = lineage.at.after(epoch + 1, 0, state, None)
+            lineage.at = lineage.at.after(epoch + 1, 0, state)
             epochs = lineage.epochs
             # set_epoch for the next epoch here, in the consumer's thread (unless the producer
             # already opened it ahead): a set_epoch the user makes after this comes after ours.
@@ -228,7 +233,7 @@ class PrefetchIterator(Iterator[T]):
         self._stop("the epoch was complete (len(source) batches) when a new iter() began")
         self._state = Lifecycle.DONE
         after = AS_BUILT if epochs.stateful else epochs.end_state()
-        lineage.at = lineage.at.after(puller.epoch + 1, 0, after, None)
+        lineage.at = lineage.at.after(puller.epoch + 1, 0, after)
         if epochs.mirror is not None:
             epochs.mirror.abandon()  # accelerate's own iterator would not have ended either
 
@@ -257,6 +262,7 @@ class PrefetchIterator(Iterator[T]):
         if ahead is not None and not ahead.stopped:
             if lineage.opened_with_current_epoch(ahead):
                 self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
+                self._pull_here = ahead.pull_here
                 return ahead  # across epochs: this epoch is already being fetched
             ahead.stop()  # its order was drawn for an epoch the sampler is no longer in
         # Two producers must never pull from one source: wait for the previous one. A timeout
@@ -287,6 +293,7 @@ class PrefetchIterator(Iterator[T]):
             )
         self._state = Lifecycle.RUNNING
         self._puller = puller
+        self._pull_here = puller.pull_here
         if lineage.one_shot and lineage.carry_over(channel):
             return puller
         if lineage.one_shot and lineage.exhausted:

@@ -1,8 +1,8 @@
 """Where a run resumes: the consumer's position, and the checkpoint made from it.
 
-The consumer's position is one value, :class:`Position`. It is replaced, never changed, each
-time a batch (or one batch's error) is handed out, an epoch ends, an epoch is set, or a state is
-loaded. ``Prefetcher.state_dict()`` is a function of it and the source (:func:`state_of`);
+The consumer's position is one value, :class:`Position`. It moves each time a batch (or one
+batch's error) is handed out, an epoch ends, an epoch is set, or a state is loaded.
+``Prefetcher.state_dict()`` is a function of it and the source (:func:`state_of`);
 ``Prefetcher.load_state_dict()`` checks a saved dictionary against the source
 (:func:`check_state`) and makes the position that resumes from it (:func:`loaded_position`).
 Batches fetched ahead never move the position: only what the user received does.
@@ -20,8 +20,9 @@ The dictionary, version :data:`STATE_VERSION`::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -40,8 +41,12 @@ class _Start(enum.Enum):
 AS_BUILT = _Start.AS_BUILT
 
 
-class Position(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class Position:
     """Where the consumer is: it has received ``handed_out`` batches of ``epoch``.
+
+    Changed only in the consumer thread: in place for each batch handed out (the hot path,
+    :meth:`advance`), replaced by a new value at every other move.
 
     Invariants:
         * ``epoch`` is the epoch the next (or current) iteration yields.
@@ -66,31 +71,32 @@ class Position(NamedTuple):
         """Before epoch ``epoch``'s first batch, the source as it is."""
         return cls(epoch, 0, AS_BUILT, transform_state, None)
 
-    def after(
-        self, epoch: int, handed_out: int, source_state: Any, transform_state: Any
-    ) -> Position:
-        """The position once batch ``handed_out`` of ``epoch`` was handed out (the hot path).
+    def advance(self, epoch: int, handed_out: int, source_state: Any, transform_state: Any) -> None:
+        """Batch ``handed_out`` of ``epoch`` was handed out (in place: this runs per batch).
 
         ``transform_state`` None keeps the last one (a transform without state).
         """
-        if transform_state is None:
-            transform_state = self.transform_state
-        # tuple.__new__ directly: half the cost of the NamedTuple constructor, paid per batch
-        return _new(Position, (epoch, handed_out, source_state, transform_state, None))
+        self.epoch = epoch
+        self.handed_out = handed_out
+        self.source_state = source_state
+        self.loaded = None
+        if transform_state is not None:
+            self.transform_state = transform_state
+
+    def after(self, epoch: int, handed_out: int, source_state: Any) -> Position:
+        """A new position: ``handed_out`` batches of ``epoch`` received, the transform as now."""
+        return Position(epoch, handed_out, source_state, self.transform_state, None)
 
     def moved_to(self, epoch: int, *, keep_source_state: bool, keep_loaded: bool) -> Position:
         """The position once the epoch was set to ``epoch`` (by the user or on the sampler).
 
         ``keep_source_state`` only when ``epoch`` is this position's own epoch, already begun.
         """
-        if keep_source_state:
-            return self._replace(loaded=self.loaded if keep_loaded else None)
         loaded = self.loaded if keep_loaded else None
+        if keep_source_state:
+            return dataclasses.replace(self, loaded=loaded)
         handed_out = self.handed_out if loaded is not None else 0
         return Position(epoch, handed_out, AS_BUILT, self.transform_state, loaded)
-
-
-_new = tuple.__new__
 
 
 def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:

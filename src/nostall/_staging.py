@@ -71,6 +71,8 @@ class Staging:
             lambda t: t if t.device == device else t.to(device),
             lambda obj: call_to(obj, device, False),
         )
+        if self.transform is None:
+            return Staged(moved, None, [], None)  # no transform: no step, no state
         moved, transform_state = self._transform_step(moved)
         return Staged(moved, None, [], transform_state)
 
