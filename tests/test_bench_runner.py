@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from nostall.bench import BenchConfig, format_report, run_bench, to_dict
-from nostall.bench._report import rows
+from nostall.bench._figures import rows
 
+#: The smallest run that still exercises every contender; the trials' tests reuse it.
 TINY = dict(
     batches=6,
     batch_size=8,
@@ -73,63 +74,3 @@ def test_depth_sweep_names_each_depth() -> None:
     """--depths makes one nostall contender per depth."""
     result = run_bench(BenchConfig(ratios=(1.0,), depths=(1, 4), contenders=("nostall",), **TINY))  # type: ignore[arg-type]
     assert {"nostall (depth 1)", "nostall (depth 4)"} == set(result.ratios[0].runs)
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("batches", 0),
-        ("ratios", ()),
-        ("ratios", (0.0,)),
-        ("depths", (0,)),
-        ("io_share", 1.5),
-        ("contenders", ("nobody",)),
-    ],
-)
-def test_bad_config(field: str, value: object) -> None:
-    """Bad settings fail before anything runs, naming the setting."""
-    with pytest.raises(ValueError, match=field.rstrip("s") if field != "io_share" else "io_share"):
-        BenchConfig(**{field: value})  # type: ignore[arg-type]
-
-
-def test_epoch_boundary_test_measures_every_way() -> None:
-    """--epochs records arrival intervals per epoch for each way of crossing a boundary."""
-    from nostall.bench._report import boundaries
-    from nostall.bench._runner import EPOCH_CONTENDERS
-
-    config = BenchConfig(ratios=(1.0,), contenders=("nostall",), **{**TINY, "epochs": 2})  # type: ignore[arg-type]
-    result = run_bench(config)
-    assert set(EPOCH_CONTENDERS) == set(result.epoch_intervals)
-    for epochs in result.epoch_intervals.values():
-        assert [6, 6] == [len(arrivals) for arrivals in epochs]
-    assert len(boundaries(result)) == len(EPOCH_CONTENDERS)
-    assert "epoch boundaries over 2 epochs" in format_report(result)
-
-
-def test_gpu_transforms_test_measures_both_ways() -> None:
-    """--gpu-transforms: samples/s per worker count for each way, bytes per sample."""
-    from nostall.bench._report import workers_needed
-    from nostall.bench._runner import TRANSFORM_WAYS
-
-    config = BenchConfig(
-        ratios=(1.0,), contenders=("nostall",), gpu_transforms=True, transform_image_size=16, **TINY
-    )  # type: ignore[arg-type]
-    result = run_bench(config)
-    info = result.transforms
-    assert set(TRANSFORM_WAYS) == set(info["rates"])
-    for rates in info["rates"].values():
-        assert 0 in rates
-        assert all(r > 0 for r in rates.values())
-    assert (
-        info["bytes_per_sample"][TRANSFORM_WAYS[0]]
-        == 4 * info["bytes_per_sample"][TRANSFORM_WAYS[1]]
-    )
-    assert set(TRANSFORM_WAYS) == set(workers_needed(result))
-    for way in TRANSFORM_WAYS:
-        assert info["loader_ms_per_sample"][way] > 0
-    assert 0 == info["device_ms_per_sample"][TRANSFORM_WAYS[0]]
-    assert info["device_ms_per_sample"][TRANSFORM_WAYS[1]] > 0
-    assert 0 <= info["max_abs_diff"] <= 1e-5  # the same numbers either way
-    report = format_report(result)
-    assert "normalising on the CPU" in report
-    assert "same numbers" in report

@@ -4,8 +4,12 @@
 show the result. The command line is a thin layer over these.
 """
 
-from ._report import format_report, to_dict, write_json, write_plot
-from ._runner import BenchConfig, BenchResult, run_bench
+from ._config import BenchConfig
+from ._json import to_dict, write_json
+from ._plot import write_plot
+from ._records import BenchResult
+from ._report import format_report
+from ._runner import run_bench
 
 __all__ = [
     "BenchConfig",
