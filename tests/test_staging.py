@@ -1,0 +1,113 @@
+"""Staging, driven directly: pin -> copy -> transform (and its checkpoint) -> ready event.
+
+The CUDA path's stream safety end to end, with canaries, is in test_transfer_simulated.py; here,
+the steps of one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from simcuda import Simulation, simulated_cuda
+
+from nostall._staging import CudaStaging, Staging
+
+CPU = torch.device("cpu")
+
+
+class Counting:
+    """A stateful transform: adds the number of batches it saw before this one."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        out = batch + self.seen
+        self.seen += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+class Movable:
+    """A batch object with its own ``to()`` (as a user's batch class may have)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.moved_to: list[torch.device] = []
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Movable:
+        self.moved_to.append(torch.device(device))
+        return self
+
+
+def test_a_batch_already_on_the_device_is_handed_out_as_it_is() -> None:
+    t = torch.arange(4)
+    staged = Staging(CPU).stage({"x": t, "names": ["a"]})
+    assert staged.batch["x"] is t
+    assert staged.batch["names"] == ["a"]
+    assert (staged.ready, staged.tensors, staged.transform_state) == (None, [], None)
+    assert Staging(CPU).hand_out(staged) is staged.batch
+
+
+def test_an_object_with_to_is_moved_by_its_own_to() -> None:
+    obj = Movable(torch.ones(2))
+    Staging(CPU).stage([obj])
+    assert obj.moved_to == [CPU]
+
+
+def test_the_transform_checkpoint_is_taken_with_each_batch() -> None:
+    """A batch's checkpoint is the transform's state right after that batch, not later."""
+    staging = Staging(CPU, Counting())
+    first = staging.stage(torch.zeros(2))
+    second = staging.stage(torch.zeros(2))
+    assert first.batch.tolist() == [0, 0]
+    assert second.batch.tolist() == [1, 1]
+    assert first.transform_state == {"seen": 1}
+    assert second.transform_state == {"seen": 2}
+
+
+def test_a_transform_without_state_has_no_checkpoint() -> None:
+    staging = Staging(CPU, lambda batch: batch * 2)
+    staged = staging.stage(torch.ones(2))
+    assert staged.batch.tolist() == [2, 2]
+    assert staged.transform_state is None
+    assert staging.transform_state() is None
+
+
+@pytest.fixture
+def sim() -> Iterator[Simulation]:
+    with simulated_cuda() as s:
+        yield s
+
+
+def test_cuda_staging_copies_on_its_stream_and_records_the_ready_event(sim: Simulation) -> None:
+    staging = CudaStaging(torch.device("cuda"), True)
+    source = torch.arange(6)
+    staged = staging.stage({"x": source})
+    moved = staged.batch["x"]
+    assert moved.is_cuda
+    assert staged.ready is not None
+    assert [t is moved for t in staged.tensors] == [True]  # to be record_stream-ed at hand-out
+    batch: Any = staging.hand_out(staged)
+    torch.cuda.synchronize()
+    assert torch.equal(batch["x"].cpu(), source)
+    assert sim.hazards == []
+
+
+def test_cuda_staging_takes_the_transform_checkpoint_on_the_copy_side(sim: Simulation) -> None:
+    staging = CudaStaging(torch.device("cuda"), True, Counting())
+    first = staging.stage(torch.zeros(2))
+    second = staging.stage(torch.zeros(2))
+    assert (first.transform_state, second.transform_state) == ({"seen": 1}, {"seen": 2})
+    out = [staging.hand_out(first), staging.hand_out(second)]
+    torch.cuda.synchronize()
+    assert [o.cpu().tolist() for o in out] == [[0, 0], [1, 1]]
+    assert sim.hazards == []
