@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so that nothing later can pull a newer (CUDA, multi-GB) build.
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,peers,plot,frameworks]'
+	$(PIP) -e '.[dev,peers,plot,frameworks,bench]'
 	touch $(STAMP)
 
 bench: $(STAMP)
