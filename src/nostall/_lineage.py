@@ -43,7 +43,8 @@ class Lineage:
 
     Invariants:
         * ``at`` only moves when the user receives something (a batch, one batch's error, an
-          epoch's end), sets an epoch, or loads a state: never when a batch is fetched ahead.
+          epoch's end, or a new ``iter()`` after all ``len(source)`` batches), sets an epoch,
+          or loads a state: never when a batch is fetched ahead.
         * At most one producer pulls from the source: a new one starts after ``thread`` ended,
           or is ``ahead`` itself.
     """
