@@ -54,7 +54,8 @@ def test_prefetching_hides_the_stall_and_the_report_shows_it() -> None:
     report = p.report()
     assert 12 == report.batches
     assert report.stall_fraction < 0.15, report  # the first batch's load is the only wait
-    assert report.wait_max_s >= 0.005  # ... and it is seen
+    assert report.startup_wait_s >= 0.005  # ... and it is seen, apart from the steady waits
+    assert report.iterations == 1
 
 
 def test_report_needs_profile_true() -> None:
@@ -253,3 +254,38 @@ def test_cuda_idle_events_are_folded_and_stay_bounded(monkeypatch: pytest.Monkey
     report = recorder.report()
     assert report.gpu_idle_s == pytest.approx(500 * 1.5e-3)  # each pair is 1.5 ms apart
     assert not recorder._events  # report waited for the last pair and folded all
+
+
+def test_the_first_batch_of_each_epoch_is_reported_apart_from_the_steady_waits() -> None:
+    """Worker start-up, paid once per epoch, is shown apart; the verdict is the steady state's."""
+
+    class SlowStart:
+        def __len__(self) -> int:
+            return 6
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            time.sleep(0.5)  # start-up: the first batch of each epoch waits for it
+            yield from (torch.ones(2) for _ in range(6))
+
+    profiled = nostall.profile(SlowStart(), "cpu")
+    for _ in range(2):
+        for _ in profiled:
+            time.sleep(0.01)  # the step; the next batch is ready at once
+    report = profiled.report()
+    assert (report.batches, report.iterations) == (12, 2)
+    assert report.startup_wait_s >= 1.0  # the two start-ups
+    assert report.wait_s >= report.startup_wait_s
+    assert report.wait_max_s < 0.5  # percentiles are the steady waits'
+    assert report.stall_fraction > report.steady_stall_fraction
+    assert report.verdict == _verdict_of(report.steady_stall_fraction)
+    text = str(report)
+    assert "for each epoch's first batch" in text
+    assert "over 2 iterations (worker start-up)" in text
+    assert "after it (steady state)" in text
+    assert report.to_dict()["steady_stall_fraction"] == report.steady_stall_fraction
+
+
+def _verdict_of(fraction: float) -> str:
+    if fraction < 0.05:
+        return "not input-bound"
+    return "moderately input-bound" if fraction < 0.20 else "highly input-bound"

@@ -41,7 +41,11 @@ class StallReport:
         batches: batches handed out.
         wait_s: total seconds the consumer was blocked in ``next()``.
         loop_s: seconds from the first ``next()`` to the end of the last one (all epochs).
-        wait_p50_s, wait_p90_s, wait_p99_s, wait_max_s: per-batch wait percentiles.
+        startup_wait_s: the part of ``wait_s`` spent waiting for each iteration's first batch
+            (worker start-up, the first fetch): paid once per epoch, not per step.
+        iterations: iterations (epochs) that handed out at least one batch.
+        wait_p50_s, wait_p90_s, wait_p99_s, wait_max_s: percentiles of the steady waits, for
+            the batches after each iteration's first.
         interval_p50_s, interval_p90_s: percentiles of the time between consecutive batches
             (a step and its wait), within iterations.
         samples: samples handed out, when batch sizes could be read (a tensor's first
@@ -55,6 +59,8 @@ class StallReport:
     batches: int = 0
     wait_s: float = 0.0
     loop_s: float = 0.0
+    startup_wait_s: float = 0.0
+    iterations: int = 0
     wait_p50_s: float = 0.0
     wait_p90_s: float = 0.0
     wait_p99_s: float = 0.0
@@ -72,6 +78,15 @@ class StallReport:
         return stall_fraction(self.wait_s, self.loop_s)
 
     @property
+    def steady_stall_fraction(self) -> float:
+        """The share of the loop spent waiting, each iteration's first batch left out.
+
+        What a longer run converges to: the start-up wait is paid once per epoch.
+        """
+        startup = self.startup_wait_s
+        return stall_fraction(self.wait_s - startup, self.loop_s - startup)
+
+    @property
     def samples_per_s(self) -> float | None:
         """Throughput over the loop, when the batch sizes are known."""
         if self.samples is None or self.loop_s <= 0:
@@ -80,8 +95,8 @@ class StallReport:
 
     @property
     def verdict(self) -> str:
-        """TensorFlow's wording: not, moderately or highly input-bound."""
-        fraction = self.stall_fraction
+        """TensorFlow's wording (not, moderately or highly input-bound), for the steady state."""
+        fraction = self.steady_stall_fraction
         if fraction < MODERATE:
             return "not input-bound"
         if fraction < HIGH:
@@ -100,6 +115,7 @@ class StallReport:
         out = asdict(self)
         out.update(
             stall_fraction=self.stall_fraction,
+            steady_stall_fraction=self.steady_stall_fraction,
             samples_per_s=self.samples_per_s,
             verdict=self.verdict,
             slowest_rank=self.slowest_rank,
@@ -112,7 +128,16 @@ class StallReport:
             ("loop", f"{self.loop_s:.3f} s"),
             ("waiting for data", f"{self.wait_s:.3f} s ({self.stall_fraction:.1%})"),
             (
-                "wait per batch p50 / p90 / p99 / max",
+                "  for each epoch's first batch",
+                f"{self.startup_wait_s:.3f} s over {self.iterations} "
+                f"iteration{'s' if self.iterations != 1 else ''} (worker start-up)",
+            ),
+            (
+                "  after it (steady state)",
+                f"{self.wait_s - self.startup_wait_s:.3f} s ({self.steady_stall_fraction:.1%})",
+            ),
+            (
+                "steady wait per batch p50 / p90 / p99 / max",
                 " / ".join(
                     f"{v * 1e3:.2f}"
                     for v in (self.wait_p50_s, self.wait_p90_s, self.wait_p99_s, self.wait_max_s)
@@ -160,7 +185,8 @@ class StallRecorder:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.waits: list[float] = []
+        self.waits: list[float] = []  # after each iteration's first batch
+        self.first_waits: list[float] = []  # each iteration's first batch
         self.intervals: list[float] = []
         self._last_arrival: float | None = None
         self.samples: int | None = 0
@@ -191,8 +217,10 @@ class StallRecorder:
     def after_next(self, batch: Any) -> None:
         """The consumer got ``batch``."""
         now = time.perf_counter()
-        self.waits.append(now - self._wait_start)
-        if self._last_arrival is not None:
+        if self._last_arrival is None:
+            self.first_waits.append(now - self._wait_start)  # this iteration's first batch
+        else:
+            self.waits.append(now - self._wait_start)
             self.intervals.append(now - self._last_arrival)
         self._last_arrival = now
         self._open_s = now - (self._start if self._start is not None else now)
@@ -242,17 +270,21 @@ class StallRecorder:
         if self._events or self._folded:
             self._fold(wait=True)
             gpu_idle = self._idle_ms / 1e3
+        startup = sum(self.first_waits)
+        batches = len(waits) + len(self.first_waits)
         report = StallReport(
-            batches=len(waits),
-            wait_s=sum(waits),
+            batches=batches,
+            wait_s=sum(waits) + startup,
             loop_s=self.loop_s,
+            startup_wait_s=startup,
+            iterations=len(self.first_waits),
             wait_p50_s=_percentile(waits, 0.50),
             wait_p90_s=_percentile(waits, 0.90),
             wait_p99_s=_percentile(waits, 0.99),
             wait_max_s=waits[-1] if waits else 0.0,
             interval_p50_s=_percentile(intervals, 0.50),
             interval_p90_s=_percentile(intervals, 0.90),
-            samples=self.samples if waits else None,
+            samples=self.samples if batches else None,
             gpu_idle_s=gpu_idle,
             rank=_rank(),
         )
@@ -336,5 +368,15 @@ def _gather(report: StallReport) -> StallReport:
 
 
 def _brief(figures: dict[str, Any]) -> dict[str, Any]:
-    keys = ("rank", "batches", "wait_s", "loop_s", "stall_fraction", "samples_per_s", "verdict")
+    keys = (
+        "rank",
+        "batches",
+        "wait_s",
+        "startup_wait_s",
+        "loop_s",
+        "stall_fraction",
+        "steady_stall_fraction",
+        "samples_per_s",
+        "verdict",
+    )
     return {k: figures[k] for k in keys}
