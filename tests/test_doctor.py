@@ -12,10 +12,13 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
 
 from nostall._cli import main
-from nostall._doctor import diagnose, load_callable
+from nostall._doctor import Diagnosis, Rate, diagnose, recommend
 from nostall._exceptions import ConfigurationError
+from nostall._specs import load_callable
+from nostall._tune import Setting, TuneResult
 
 _names = itertools.count()
 
@@ -65,6 +68,22 @@ def make_loader_that_refuses():
 
 def failing_step(batch):
     raise ValueError("bad step")
+
+def make_empty_loader(num_workers=0):
+    return DataLoader([], batch_size=4, num_workers=num_workers)
+
+def make_tiny_loader(num_workers=0):
+    return DataLoader(list(range(8)), batch_size=4, num_workers=num_workers)
+
+transformed = []
+
+def halve(batch):
+    transformed.append(1)
+    x, y = batch
+    return x / 2, y
+
+def failing_transform(batch):
+    raise ValueError("bad transform")
 """
 
 
@@ -79,20 +98,114 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_diagnosis_has_every_part(user_module: str) -> None:
-    """Whatever the machine's load: a verdict, both rates, a best setting and its summary."""
+    """Whatever the machine's load: a verdict, every rate with its runs, and an honest summary."""
     factory = load_callable(f"{user_module}:make_loader", "factory")
     step = load_callable(f"{user_module}:step", "--step")
-    lines: list[str] = []
-    diagnosis = diagnose(factory, step=step, device="cpu", max_batches=120, progress=lines.append)
+    seen: list[tuple[str, float]] = []
+    diagnosis = diagnose(
+        factory,
+        step=step,
+        device="cpu",
+        max_batches=40,
+        repeats=2,
+        progress=lambda phase, done: seen.append((phase, done)),
+    )
     assert diagnosis.bound in ("input-bound", "compute-bound", "balanced")
     assert diagnosis.step_rate is not None
     assert diagnosis.step_rate > 0
-    assert diagnosis.load_rate > 0
+    rates = (diagnosis.load, diagnosis.as_built, diagnosis.with_nostall[1])
+    for rate in (*rates, diagnosis.without_nostall[1]):
+        assert len(rate.runs) == 2
+        assert 0 < rate.low <= rate.median <= rate.high
     assert diagnosis.best[0].num_workers in (0, 1, 2)
     text = diagnosis.summary()
     assert text.startswith(f"{diagnosis.bound}: loading ")
-    assert f"best found: num_workers={diagnosis.best[0].num_workers}" in text
-    assert 5 == len(lines)  # a progress line per phase
+    _assert_honest(diagnosis)
+    phases = [phase for phase, _ in seen]
+    assert phases[0].startswith("load only")
+    assert any(p.startswith("searching") for p in phases)
+    assert phases[-1] == "done"
+    shares = [done for _, done in seen]
+    assert shares == sorted(shares)  # the bar only moves forward
+    assert shares[-1] == 1.0
+
+
+def _assert_honest(diagnosis: Diagnosis) -> None:
+    """A speed-up only beyond the spread, always > 1, never infinite; else said plainly."""
+    text = diagnosis.summary()
+    assert "inf" not in text
+    speedup = diagnosis.speedup
+    if speedup is None:
+        assert "no setting is measurably faster" in text
+        assert "change your code" not in text
+    else:
+        assert diagnosis.best[1].low > diagnosis.as_built.high
+        assert speedup > 1
+        assert f"{speedup:.2f}x yours" in text
+        assert diagnosis.code in text
+
+
+def _diagnosis(as_built: tuple[float, ...], best: tuple[float, ...]) -> Diagnosis:
+    ours = (Setting(2, 4), Rate(best))
+    theirs = (Setting(2, None), Rate(tuple(r / 2 for r in best)))
+    search = TuneResult(Setting(2, 4), best[0], [(Setting(0, 2), as_built[0])], 14)
+    diagnosis = Diagnosis(Rate(as_built), 900.0, Rate(as_built), search, ours, theirs, "cpu")
+    diagnosis.code = "    loader = make_loader(num_workers=2)"
+    return diagnosis
+
+
+def test_a_best_within_the_spread_of_the_loop_as_built_is_no_speed_up() -> None:
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(115.0, 130.0, 125.0))
+    assert diagnosis.speedup is None
+    assert "no setting is measurably faster" in diagnosis.summary()
+    assert diagnosis.to_dict()["speedup"] is None
+
+
+def test_a_best_beyond_the_spread_is_a_speed_up_of_the_medians() -> None:
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    assert diagnosis.speedup == pytest.approx(230.0 / 110.0)
+    assert "2.09x yours" in diagnosis.summary()
+    assert "change your code to:\n    loader = make_loader(num_workers=2)" in diagnosis.summary()
+    _assert_honest(diagnosis)
+
+
+def test_a_loop_as_built_that_measured_zero_gives_no_infinite_speed_up() -> None:
+    diagnosis = _diagnosis(as_built=(0.0, 0.0, 0.0), best=(0.0, 0.0, 0.0))
+    assert diagnosis.speedup is None
+    _assert_honest(diagnosis)
+
+
+def test_rates_say_their_spread() -> None:
+    assert str(Rate((1000.0, 1200.0, 1100.0))) == "1,100 samples/s (1,000-1,200 over 3 runs)"
+    assert str(Rate((1000.0,))) == "1,000 samples/s (one run)"
+
+
+def test_the_recommendation_is_the_code_to_write() -> None:
+    def make_loader(num_workers=0, persistent_workers=False):  # type: ignore[no-untyped-def]
+        return []
+
+    def normalize(batch):  # type: ignore[no-untyped-def]
+        return batch
+
+    cpu = torch.device("cpu")
+    assert recommend(make_loader, Setting(4, 8), cpu, normalize) == (
+        "    loader = make_loader(num_workers=4, persistent_workers=True)\n"
+        "    for batch in nostall.prefetch(loader, 'cpu', depth=8, transform=normalize):"
+    )
+    assert recommend(make_loader, Setting(0, None), cpu, None).splitlines() == [
+        "    loader = make_loader(num_workers=0, persistent_workers=False)",
+        "    for batch in loader:  # move each batch to the device in the loop",
+    ]
+
+
+def test_the_transform_is_measured_with_the_pipeline(user_module: str) -> None:
+    factory = load_callable(f"{user_module}:make_loader", "factory")
+    halve = load_callable(f"{user_module}:halve", "--transform")
+    diagnosis = diagnose(factory, device="cpu", max_batches=20, repeats=1, transform=halve)
+    module = sys.modules[user_module]
+    assert len(module.transformed) > 0  # the runs and the search applied it
+    if diagnosis.best[0].depth is not None:
+        assert "transform=halve" in diagnosis.code
 
 
 @pytest.mark.perf
@@ -104,6 +217,7 @@ def test_diagnosis_of_a_slow_loader(user_module: str) -> None:
     assert "input-bound" == diagnosis.bound
     assert diagnosis.step_rate is not None
     assert diagnosis.load_rate < diagnosis.step_rate
+    assert diagnosis.speedup is not None
     assert diagnosis.speedup > 1.3  # two workers where the factory used none
     assert 2 == diagnosis.best[0].num_workers
 
@@ -119,7 +233,9 @@ def test_reports(user_module: str, tmp_path: Path) -> None:
         "--device",
         "cpu",
         "--max-batches",
-        "80",
+        "40",
+        "--repeats",
+        "2",
         "--json",
         str(json_path),
         "--html",
@@ -135,9 +251,11 @@ def test_reports(user_module: str, tmp_path: Path) -> None:
         "loop_samples_per_s",
         "best",
         "speedup",
+        "code",
         "tune",
         "summary",
     } <= set(figures)
+    assert {"median", "low", "high", "runs"} <= set(figures["loop_samples_per_s"])
     page = html_path.read_text()
     assert "<svg" in page
     assert "<script" not in page
@@ -194,7 +312,8 @@ def test_doctor_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["doctor", "--help"])
     assert 0 == info.value.code
     out = capsys.readouterr().out
-    for flag in ("MODULE:FACTORY", "--step", "--device", "--max-batches", "--json", "--html"):
+    flags = ("MODULE:FACTORY", "--step", "--transform", "--repeats", "--max-batches", "--json")
+    for flag in (*flags, "--device", "--html"):
         assert flag in out
 
 
@@ -208,8 +327,9 @@ def _user_frames(error: BaseException) -> str:
         (["{m}:make_broken_loader"], "bad sample", "decode_sample"),
         (["{m}:make_loader_that_refuses"], "no such split", "make_loader_that_refuses"),
         (["{m}:make_loader", "--step", "{m}:failing_step"], "bad step", "failing_step"),
+        (["{m}:make_loader", "--transform", "{m}:failing_transform"], "bad transform", "failing_"),
     ],
-    ids=["dataset", "factory", "step"],
+    ids=["dataset", "factory", "step", "transform"],
 )
 def test_a_value_error_in_user_code_keeps_its_traceback(
     argv: list[str], message: str, frame: str, user_module: str
@@ -281,6 +401,9 @@ def test_load_callable_raises_configuration_errors(user_module: str) -> None:
         ({"max_batches": 0}, ValueError, "diagnose(max_batches=...) must be >= 1"),
         ({"step": "train:step"}, TypeError, "diagnose(step=...) must be a function or None"),
         ({"progress": 3}, TypeError, "diagnose(progress=...) must be a function or None"),
+        ({"repeats": 0}, ValueError, "diagnose(repeats=...) must be >= 1"),
+        ({"repeats": 1.5}, TypeError, "diagnose(repeats=...) must be an int >= 1"),
+        ({"transform": "x"}, TypeError, "diagnose(transform=...) must be a function or None"),
     ],
 )
 def test_diagnose_checks_its_arguments(
@@ -329,3 +452,43 @@ def test_the_command_reports_a_bad_spec_in_one_line(user_module: str, tmp_path: 
         "nostall doctor: error: cannot import module 'nope' for the loader factory: "
         "No module named 'nope'"
     ] == done.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("make_empty_loader", "the loader that make_empty_loader() builds yields no batches"),
+        ("make_tiny_loader", "yields only 2 batches: the doctor needs at least 3"),
+    ],
+)
+def test_a_loader_with_nothing_to_time_is_one_line_and_status_two(
+    factory: str, message: str, user_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert 2 == main(["doctor", f"{user_module}:{factory}", "--device", "cpu", "--no-progress"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("nostall doctor: error: ")
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "message"),
+    [
+        ("--json", "{tmp}/no/such/folder/d.json", "does not exist"),
+        ("--html", "{tmp}", "is a folder"),
+    ],
+)
+def test_output_paths_are_checked_before_measuring(
+    flag: str,
+    path: str,
+    message: str,
+    user_module: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A factory that raises when called shows that nothing was measured first."""
+    argv = ["doctor", f"{user_module}:make_loader_that_refuses", flag, path.format(tmp=tmp_path)]
+    assert 2 == main([*argv, "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err
+    assert message in err
+    assert "no such split" not in err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nostall._doctor import load_callable
+from nostall._specs import load_callable
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -183,3 +183,45 @@ def test_an_error_in_the_users_dataset_reaches_the_caller_itself() -> None:
         nostall.tune(lambda: DataLoader(Broken(), batch_size=2), max_batches=20, device="cpu")
     text = "".join(traceback.format_exception(info.type, info.value, info.tb))
     assert "in decode_sample" in text
+
+
+def test_tune_reports_each_trial_and_applies_the_transform() -> None:
+    """on_trial sees every trial in order; the transform runs as the pipeline runs it."""
+    trials: list[tuple[Setting, float, int]] = []
+    seen = []
+
+    def double(batch: torch.Tensor) -> torch.Tensor:
+        seen.append(batch.shape[0])
+        return batch * 2
+
+    def loader(num_workers: int = 0) -> DataLoader[torch.Tensor]:
+        return DataLoader(Sleepy(64, 0.0), batch_size=8, num_workers=num_workers)
+
+    result = nostall.tune(
+        loader,
+        max_batches=40,
+        device="cpu",
+        transform=double,
+        on_trial=lambda s, r, spent: trials.append((s, r, spent)),
+    )
+    assert [(s, r) for s, r, _ in trials] == result.curve
+    spent = [n for _, _, n in trials]
+    assert spent == sorted(spent)
+    assert spent[-1] <= result.batches_spent
+    assert len(seen) >= len(trials)  # every trial's batches went through it
+    assert set(seen) == {8}
+
+
+@pytest.mark.parametrize("depth", [None, 2])
+def test_measure_applies_the_transform_with_and_without_the_prefetcher(depth: int | None) -> None:
+    seen: list[float] = []
+
+    def mark(batch: torch.Tensor) -> torch.Tensor:
+        seen.append(float(batch[0, 0]))
+        return batch
+
+    def loader() -> DataLoader[torch.Tensor]:
+        return DataLoader(Sleepy(40, 0.0), batch_size=4)
+
+    measure(loader, Setting(None, depth), torch.device("cpu"), batches=3, transform=mark)
+    assert seen[:3] == [0.0, 4.0, 8.0]  # the batches in order, each once

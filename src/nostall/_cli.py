@@ -256,11 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=300,
         help="the most batches the settings search may pull (default: %(default)s)",
     )
+    doctor.add_argument(
+        "--transform",
+        metavar="MODULE:NAME",
+        help="what your pipeline applies to each batch on the device, as "
+        "nostall.prefetch(loader, transform=NAME) does: measured with it",
+    )
+    doctor.add_argument(
+        "--repeats",
+        type=_count,
+        default=3,
+        help="runs of each compared setting; a speed-up is claimed only beyond their spread "
+        "(default: %(default)s)",
+    )
     doctor.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     doctor.add_argument(
         "--html", metavar="PATH", help="write a self-contained HTML report with a chart to PATH"
     )
-    doctor.add_argument("--no-progress", action="store_true", help="no progress lines")
+    doctor.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -312,20 +325,44 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ._doctor import diagnose, load_callable, write_reports
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def say(line: str) -> None:
-        if not args.no_progress:
-            print(line, file=sys.stderr, flush=True)
+    from ._doctor import check_output, diagnose, write_reports
+    from ._specs import load_callable
 
+    for path, flag in ((args.json, "--json"), (args.html, "--html")):
+        check_output(path, flag)  # before minutes of measuring, not after
     device = _device(args.device)
     factory = load_callable(args.factory, "the loader factory")
     step = load_callable(args.step, "--step") if args.step else None
-    # Not wrapped: what the user's factory, dataset or step raises here keeps its traceback.
-    # A factory that builds no iterable is a ConfigurationError, reported by main().
-    diagnosis = diagnose(
-        factory, step=step, device=device, max_batches=args.max_batches, progress=say
+    transform = load_callable(args.transform, "--transform") if args.transform else None
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=args.no_progress or not sys.stderr.isatty(),
     )
+    with bar:
+        task = bar.add_task("starting", total=1.0)
+
+        def progress(phase: str, done: float) -> None:
+            bar.update(task, description=phase, completed=done)
+
+        # Not wrapped: what the user's factory, dataset, transform or step raises here keeps
+        # its traceback. A factory that builds no iterable, or an empty loader, is a
+        # ConfigurationError, reported by main() in one line.
+        diagnosis = diagnose(
+            factory,
+            step=step,
+            device=device,
+            max_batches=args.max_batches,
+            repeats=args.repeats,
+            transform=transform,
+            progress=progress,
+        )
     print(diagnosis.summary())
     write_reports(diagnosis, args.json, args.html)
     for path in (args.json, args.html):

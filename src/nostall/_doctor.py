@@ -8,12 +8,11 @@ device-resident batch (compute only), and the two together; then a search over l
 from __future__ import annotations
 
 import html
-import importlib
 import json
 import os
-import sys
+import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,124 +20,88 @@ from typing import Any
 from . import _arguments
 from ._device import DeviceLike, resolve_device
 from ._exceptions import ConfigurationError
+from ._specs import checked_factory
 from ._timing import synchronize
 from ._transfer import to_device
 from ._tree import batch_size_of
-from ._tune import Factory, Setting, Step, TuneResult, measure, tune
+from ._tune import Factory, Setting, Step, Transform, TuneResult, loader_kwargs, measure, tune
 
 DEFAULT = Setting(None, None)
 
 
-def load_callable(spec: str, what: str) -> Callable[..., Any]:
-    """Import ``MODULE:NAME`` (the current directory first on the path) and check it is callable.
+@dataclass(frozen=True)
+class Rate:
+    """Samples/s of one way of running the loop, over repeated runs (never empty)."""
 
-    Only what the spec itself gets wrong is a :class:`ConfigurationError`: a malformed spec, a
-    module that does not exist, a missing name, a name that is not callable. An exception raised
-    while the user's module runs its top level (a ``ValueError``, or an ``ImportError`` of one of
-    *its* imports) is the user's code failing: it propagates unchanged, with its traceback.
+    runs: tuple[float, ...]
 
-    Raises:
-        ConfigurationError: (a ``ValueError``) the spec is malformed, the module or name is
-            missing, or it is not callable; the message says which and how to fix it.
-    """
-    module_name, sep, name = spec.partition(":")
-    if not sep or not module_name or not name or module_name.startswith("."):
-        raise ConfigurationError(
-            f"{what} must be MODULE:FUNCTION with an absolute module name, e.g. "
-            f"mytrain:make_loader (got {spec!r})"
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def low(self) -> float:
+        return min(self.runs)
+
+    @property
+    def high(self) -> float:
+        return max(self.runs)
+
+    def __str__(self) -> str:
+        if len(self.runs) == 1:
+            return f"{self.median:,.0f} samples/s (one run)"
+        return (
+            f"{self.median:,.0f} samples/s ({self.low:,.0f}-{self.high:,.0f} over "
+            f"{len(self.runs)} runs)"
         )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if not _is_the_spec(e.name, module_name):
-            raise  # the module exists; one of its own imports failed, in the user's code
-        raise ConfigurationError(f"cannot import module {module_name!r} for {what}: {e}") from e
-    try:
-        target = getattr(module, name)
-    except AttributeError:
-        raise ConfigurationError(
-            f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute "
-            f"{name!r} for {what}"
-        ) from None
-    if not callable(target):
-        raise ConfigurationError(
-            f"{spec} is a {type(target).__name__}, not a function; {what} must be callable"
-        )
-    return target  # type: ignore[no-any-return]
 
-
-def _is_the_spec(missing: str | None, module_name: str) -> bool:
-    """Whether the module found missing is ``module_name`` or one of its parent packages."""
-    return missing is not None and (missing == module_name or module_name.startswith(missing + "."))
-
-
-def _checked(factory: Factory) -> Factory:
-    """The factory, failing clearly when it does not build an iterable.
-
-    What the factory raises itself is the user's code failing and propagates untouched; only a
-    return value that cannot be iterated is a :class:`ConfigurationError` (the spec names the
-    wrong function).
-    """
-
-    def build(**kwargs: Any) -> Iterable[Any]:
-        loader = factory(**kwargs)
-        if not callable(getattr(type(loader), "__iter__", None)):
-            raise ConfigurationError(
-                f"the factory returned a {type(loader).__name__}, not an iterable loader; it "
-                f"should return a DataLoader (or any iterable of batches)"
-            )
-        return loader
-
-    build.__signature__ = _signature(factory)  # type: ignore[attr-defined]
-    return build
-
-
-def _signature(factory: Factory) -> Any:
-    import inspect
-
-    try:
-        return inspect.signature(factory)
-    except (TypeError, ValueError):
-        return inspect.Signature()
+    def to_dict(self) -> dict[str, Any]:
+        return {"median": self.median, "low": self.low, "high": self.high, "runs": self.runs}
 
 
 @dataclass
 class Diagnosis:
-    """What the doctor measured and concluded (samples/s throughout)."""
+    """What the doctor measured and concluded (samples/s throughout).
 
-    load_rate: float
+    Invariant: ``speedup`` is None unless the best setting's slowest run beat the fastest run
+    of the loop as built (the spreads do not overlap); then it is the ratio of the medians, > 1.
+    """
+
+    load: Rate
     step_rate: float | None
-    loop_rate: float
-    with_nostall: TuneResult
-    without_nostall: tuple[Setting, float]
+    as_built: Rate
+    search: TuneResult
+    with_nostall: tuple[Setting, Rate]
+    without_nostall: tuple[Setting, Rate]
     device: str
+    code: str = ""  # the change to make, as code (empty when nothing is measurably faster)
 
     @property
     def bound(self) -> str:
         """input-bound, compute-bound or balanced; unknown without a step."""
         if self.step_rate is None:
             return "unknown (no --step given)"
-        if self.load_rate < 0.9 * self.step_rate:
+        if self.load.median < 0.9 * self.step_rate:
             return "input-bound"
-        if self.load_rate > 1.1 * self.step_rate:
+        if self.load.median > 1.1 * self.step_rate:
             return "compute-bound"
         return "balanced"
 
     @property
-    def best(self) -> tuple[Setting, float]:
-        """The fastest setting found, with or without nostall."""
-        ours = (self.with_nostall.best, self.with_nostall.samples_per_s)
-        return max(ours, self.without_nostall, key=lambda pair: pair[1])
+    def best(self) -> tuple[Setting, Rate]:
+        """The fastest setting found (by median), with or without nostall."""
+        return max(self.with_nostall, self.without_nostall, key=lambda pair: pair[1].median)
 
     @property
-    def speedup(self) -> float:
-        """The best setting's rate over the loop as the factory builds it."""
-        return self.best[1] / self.loop_rate if self.loop_rate > 0 else float("inf")
+    def speedup(self) -> float | None:
+        """The best setting's median over the loop as built, when measurably faster, else None."""
+        rate = self.best[1]
+        if rate.low <= self.as_built.high:
+            return None
+        return rate.median / self.as_built.median
 
     def summary(self) -> str:
-        """The diagnosis in plain words."""
+        """The diagnosis in plain words, ending with the code change when there is one."""
         setting, rate = self.best
         step = (
             f", step {self.step_rate:,.0f} samples/s"
@@ -146,11 +109,19 @@ class Diagnosis:
             else " (pass --step to compare with your training step)"
         )
         lines = [
-            f"{self.bound}: loading {self.load_rate:,.0f} samples/s{step}; as built, the loop "
-            f"runs at {self.loop_rate:,.0f} samples/s.",
-            f"best found: {setting.describe()}, {rate:,.0f} samples/s, {self.speedup:.1f}x faster.",
+            f"{self.bound}: loading {self.load}{step}.",
+            f"as built, the loop runs at {self.as_built}.",
         ]
-        if self.bound == "compute-bound" and self.speedup < 1.1:
+        speedup = self.speedup
+        if speedup is None:
+            lines.append(
+                f"no setting is measurably faster: the best found, {setting.describe()}, ran at "
+                f"{rate}, within the spread of yours."
+            )
+        else:
+            lines.append(f"measurably faster: {setting.describe()}, {rate}: {speedup:.2f}x yours.")
+            lines.append(f"change your code to:\n{self.code}")
+        if self.bound == "compute-bound":
             lines.append("the step is the bottleneck: faster loading will not help much.")
         return "\n".join(lines)
 
@@ -160,59 +131,70 @@ class Diagnosis:
         return {
             "device": self.device,
             "bound": self.bound,
-            "load_samples_per_s": self.load_rate,
+            "load_samples_per_s": self.load.to_dict(),
             "step_samples_per_s": self.step_rate,
-            "loop_samples_per_s": self.loop_rate,
-            "best": {"setting": setting.describe(), "samples_per_s": rate},
+            "loop_samples_per_s": self.as_built.to_dict(),
+            "best": {"setting": setting.describe(), "samples_per_s": rate.to_dict()},
             "speedup": self.speedup,
-            "tune": self.with_nostall.to_dict(),
+            "code": self.code or None,
+            "tune": self.search.to_dict(),
+            "with_nostall": {
+                "setting": self.with_nostall[0].describe(),
+                "samples_per_s": self.with_nostall[1].to_dict(),
+            },
             "without_nostall": {
                 "setting": self.without_nostall[0].describe(),
-                "samples_per_s": self.without_nostall[1],
+                "samples_per_s": self.without_nostall[1].to_dict(),
             },
             "summary": self.summary(),
         }
 
     def to_html(self) -> str:
-        """A self-contained page (no scripts, no downloads) with a bar chart of every trial."""
-        trials = [("as built", self.loop_rate)]
-        trials += [(s.describe(), r) for s, r in self.with_nostall.curve]
-        trials.append((self.without_nostall[0].describe(), self.without_nostall[1]))
-        top = max(r for _, r in trials) or 1.0
-        bar_h, width = 22, 460
+        """A self-contained page (no scripts, no downloads): the settings, median and spread."""
+        measured = [
+            ("as built", self.as_built),
+            (self.with_nostall[0].describe(), self.with_nostall[1]),
+            (self.without_nostall[0].describe(), self.without_nostall[1]),
+        ]
+        measured += [(f"search: {s.describe()}", Rate((r,))) for s, r in self.search.curve]
+        top = max(rate.high for _, rate in measured) or 1.0
+        bar_h, width, left = 22, 460, 360
         bars = []
-        for i, (label, rate) in enumerate(trials):
+        for i, (label, rate) in enumerate(measured):
             y = i * (bar_h + 6)
-            w = max(1.0, width * rate / top)
+            w, lo, hi = (max(1.0, width * v / top) for v in (rate.median, rate.low, rate.high))
             bars.append(
                 f'<text x="0" y="{y + 15}" font-size="12">{html.escape(label)}</text>'
-                f'<rect x="330" y="{y}" width="{w:.1f}" height="{bar_h}" fill="#3b7dd8"/>'
-                f'<text x="{335 + w:.1f}" y="{y + 15}" font-size="12">{rate:,.0f}</text>'
+                f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="#3b7dd8"/>'
+                f'<line x1="{left + lo:.1f}" x2="{left + hi:.1f}" y1="{y + 11}" y2="{y + 11}" '
+                f'stroke="black"/>'
+                f'<text x="{left + 5 + hi:.1f}" y="{y + 15}" font-size="12">'
+                f"{rate.median:,.0f}</text>"
             )
-        height = len(trials) * (bar_h + 6)
+        height = len(measured) * (bar_h + 6)
         rows = "".join(
             f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
             for k, v in (
                 ("device", self.device),
                 ("verdict", self.bound),
-                ("load only (samples/s)", f"{self.load_rate:,.0f}"),
-                (
-                    "step only (samples/s)",
-                    "n/a" if self.step_rate is None else f"{self.step_rate:,.0f}",
-                ),
-                ("loop as built (samples/s)", f"{self.loop_rate:,.0f}"),
-                ("best found", f"{self.best[0].describe()}: {self.best[1]:,.0f}"),
-                ("speed-up", f"{self.speedup:.2f}x"),
+                ("load only", self.load),
+                ("step only", "n/a" if self.step_rate is None else f"{self.step_rate:,.0f}"),
+                ("loop as built", self.as_built),
+                ("speed-up", "none measurable" if self.speedup is None else f"{self.speedup:.2f}x"),
             )
         )
         return (
             "<!doctype html><html><head><meta charset='utf-8'><title>nostall doctor</title>"
             "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 12px}</style></head>"
-            f"<body><h1>nostall doctor</h1><p>{html.escape(self.summary())}</p>"
-            f"<table>{rows}</table><h2>samples/s of every setting tried</h2>"
-            f"<svg width='{330 + width + 80}' height='{height}' "
+            f"<body><h1>nostall doctor</h1><pre>{html.escape(self.summary())}</pre>"
+            f"<table>{rows}</table><h2>samples/s: median, and the range of the runs</h2>"
+            f"<svg width='{left + width + 80}' height='{height}' "
             f"xmlns='http://www.w3.org/2000/svg'>{''.join(bars)}</svg></body></html>\n"
         )
+
+
+#: Batches each timed run pulls: two start-up batches, then the timed ones.
+RUN_BATCHES = 12
 
 
 def diagnose(
@@ -221,7 +203,9 @@ def diagnose(
     step: Step | None = None,
     device: DeviceLike = None,
     max_batches: int = 300,
-    progress: Callable[[str], None] | None = None,
+    repeats: int = 3,
+    transform: Transform | None = None,
+    progress: Callable[[str, float], None] | None = None,
 ) -> Diagnosis:
     """Measure the user's loader (and step), search for a faster setting, and say what to do.
 
@@ -230,54 +214,126 @@ def diagnose(
         step: the training step, called with a batch on the device.
         device: where batches go (default: CUDA when available).
         max_batches: the most batches the settings search (:func:`nostall.tune`) may pull; the
-            fixed measurements around it pull up to 43 more (14 for each of the three loops
-            timed, one for the step).
-        progress: called with a line as each of the five phases starts.
+            repeated runs around it pull ``4 * repeats * 14`` more, and the step alone one.
+        repeats: runs of each compared setting (the loader alone, the loop as built, the best
+            found with and without ``nostall.prefetch``); a speed-up is claimed only when
+            every run of the best beat every run of the loop as built.
+        transform: what the pipeline applies to each batch on the device, as
+            ``nostall.prefetch(loader, transform=...)`` does: measured with it.
+        progress: called with each phase's description and the share of the work done (0-1).
 
-    Exceptions raised by ``factory``, by the loaders it builds or by ``step`` propagate
-    unchanged, with their tracebacks: they are the user's code failing, not a diagnosis.
+    Exceptions raised by ``factory``, by the loaders it builds, by ``step`` or ``transform``
+    propagate unchanged, with their tracebacks: they are the user's code failing.
 
     Raises:
-        ConfigurationError: (a ``ValueError``) the factory does not return an iterable.
-        TypeError: ``factory``, ``step`` or ``progress`` is not callable, ``max_batches`` not
-            an int; ``device`` of a type that names no device.
-        ValueError: ``max_batches`` < 1; ``device`` names no device.
+        ConfigurationError: (a ``ValueError``) the factory does not return an iterable, or its
+            loader yields fewer than 3 batches (nothing to time).
+        TypeError: ``factory``, ``step``, ``transform`` or ``progress`` is not callable, a
+            count not an int; ``device`` of a type that names no device.
+        ValueError: ``max_batches`` or ``repeats`` < 1; ``device`` names no device.
         DeviceUnavailableError: ``device`` is not on this machine.
     """
-    _arguments.function(
-        "diagnose",
-        "factory",
-        factory,
-        hint="pass the function that builds your loader (make_loader, not make_loader())",
-    )
-    _arguments.function(
-        "diagnose", "step", step, optional=True, hint="pass your training step, step(batch)"
-    )
+    hint = "pass the function that builds your loader (make_loader, not make_loader())"
+    _arguments.function("diagnose", "factory", factory, hint=hint)
+    _arguments.function("diagnose", "step", step, optional=True, hint="pass step(batch)")
     _arguments.integer("diagnose", "max_batches", max_batches, low=1, example=300)
-    _arguments.function(
-        "diagnose", "progress", progress, optional=True, hint="pass e.g. progress=print"
-    )
+    _arguments.integer("diagnose", "repeats", repeats, low=1, example=3)
+    _arguments.function("diagnose", "transform", transform, optional=True, hint="e.g. a Normalize")
+    _arguments.function("diagnose", "progress", progress, optional=True, hint="e.g. print")
     dev = resolve_device(device)
-    say = progress or (lambda _: None)
-    build = _checked(factory)
-    say("[1/5] load only: the loader as the factory builds it")
-    load_rate, _ = measure(build, DEFAULT, dev, batches=12)
+    build = checked_factory(factory)
+    total = 4 * repeats * (RUN_BATCHES + 2) + max_batches
+    done = 0
+
+    def say(phase: str) -> None:
+        if progress is not None:
+            progress(phase, min(done / total, 1.0))
+
+    def rate_of(setting: Setting, phase: str, with_step: bool = True) -> Rate:
+        nonlocal done
+        runs = []
+        for i in range(repeats):
+            say(f"{phase} (run {i + 1} of {repeats})")
+            rate, used = measure(
+                build,
+                setting,
+                dev,
+                batches=RUN_BATCHES,
+                step=step if with_step else None,
+                transform=transform,
+            )
+            done += RUN_BATCHES + 2
+            if used < 3:
+                raise ConfigurationError(_too_few(factory, used))
+            runs.append(rate)
+        return Rate(tuple(runs))
+
+    load = rate_of(DEFAULT, "load only: the loader as the factory builds it", with_step=False)
     step_rate = None
     if step is not None:
-        say("[2/5] step only: your step on one device-resident batch")
-        step_rate = _step_rate(build, step, dev)
-    say("[3/5] the loop as built: loading and step together")
-    loop_rate, _ = measure(build, DEFAULT, dev, batches=12, step=step)
-    say(f"[4/5] searching loader settings with nostall.prefetch (at most {max_batches} batches)")
-    tuned = tune(build, max_batches=max_batches, device=dev, step=step)
-    say("[5/5] the best loader settings without nostall")
-    plain = Setting(tuned.best.num_workers, None)
-    plain_rate, _ = measure(build, plain, dev, batches=12, step=step)
-    return Diagnosis(load_rate, step_rate, loop_rate, tuned, (plain, plain_rate), str(dev))
+        say("step only: your step on one device-resident batch")
+        step_rate = _step_rate(build, step, dev, transform)
+    as_built = rate_of(DEFAULT, "the loop as built: loading and step together")
+
+    def trial(setting: Setting, rate: float, spent: int) -> None:
+        nonlocal done
+        done = 2 * repeats * (RUN_BATCHES + 2) + spent
+        say(f"searching settings: {setting.describe()}: {rate:,.0f} samples/s")
+
+    say(f"searching loader settings with nostall.prefetch (at most {max_batches} batches)")
+    search = tune(
+        build, max_batches=max_batches, device=dev, step=step, transform=transform, on_trial=trial
+    )
+    done = 2 * repeats * (RUN_BATCHES + 2) + max_batches
+    ours = rate_of(search.best, f"again: {search.best.describe()}")
+    plain = Setting(search.best.num_workers, None)
+    theirs = rate_of(plain, f"again: {plain.describe()}")
+    diagnosis = Diagnosis(
+        load, step_rate, as_built, search, (search.best, ours), (plain, theirs), str(dev)
+    )
+    diagnosis.code = recommend(factory, diagnosis.best[0], dev, transform)
+    done = total
+    say("done")
+    return diagnosis
 
 
-def _step_rate(build: Factory, step: Step, device: Any) -> float:
+def recommend(factory: Factory, setting: Setting, device: Any, transform: Any) -> str:
+    """The code that builds and feeds the loader with ``setting``, as the user would write it."""
+    name = getattr(factory, "__name__", "make_loader")
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in loader_kwargs(factory, setting, device).items())
+    lines = [f"    loader = {name}({kwargs})"]
+    if setting.depth is None:
+        lines.append("    for batch in loader:  # move each batch to the device in the loop")
+    else:
+        extra = (
+            ""
+            if transform is None
+            else f", transform={getattr(transform, '__name__', 'transform')}"
+        )
+        lines.append(
+            f"    for batch in nostall.prefetch(loader, {str(device)!r}, depth={setting.depth}"
+            f"{extra}):"
+        )
+    return "\n".join(lines)
+
+
+def _too_few(factory: Factory, used: int) -> str:
+    name = getattr(factory, "__name__", "the factory")
+    if used == 0:
+        return (
+            f"the loader that {name}() builds yields no batches (an empty dataset, or "
+            f"drop_last=True with fewer samples than batch_size?): there is nothing to measure"
+        )
+    return (
+        f"the loader that {name}() builds yields only {used} batch{'es' if used > 1 else ''}: "
+        f"the doctor needs at least 3 to time it; give it a larger dataset"
+    )
+
+
+def _step_rate(build: Factory, step: Step, device: Any, transform: Transform | None) -> float:
     batch = to_device(next(iter(build())), device)
+    if transform is not None:
+        batch = transform(batch)
     step(batch)  # warm-up
     synchronize(device)
     n = 10
@@ -286,6 +342,24 @@ def _step_rate(build: Factory, step: Step, device: Any) -> float:
         step(batch)
     synchronize(device)
     return n * (batch_size_of(batch) or 1) / (time.perf_counter() - start)
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """Refuse an output path that cannot be written, before minutes of measuring.
+
+    Raises:
+        ConfigurationError: its folder does not exist, it is a folder, or it is not writable.
+    """
+    if not path:
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigurationError(f"{flag} {path} is a folder; pass a file path")
+    if not folder.is_dir():
+        raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ConfigurationError(f"{flag} {path} cannot be written here (permission denied)")
 
 
 def write_reports(diagnosis: Diagnosis, json_path: str | None, html_path: str | None) -> None:

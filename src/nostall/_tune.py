@@ -28,6 +28,7 @@ from ._tree import batch_size_of
 
 Factory = Callable[..., Iterable[Any]]
 Step = Callable[[Any], Any]
+Transform = Callable[[Any], Any]
 
 LOADER_KNOBS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
 
@@ -83,6 +84,11 @@ def accepted_knobs(factory: Factory) -> set[str]:
 
 def build(factory: Factory, setting: Setting, device: torch.device) -> Iterable[Any]:
     """The loader for ``setting``, passing only the settings ``factory`` accepts."""
+    return factory(**loader_kwargs(factory, setting, device))
+
+
+def loader_kwargs(factory: Factory, setting: Setting, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments :func:`build` passes to ``factory`` for ``setting``."""
     knobs = accepted_knobs(factory)
     kwargs: dict[str, Any] = {}
     if setting.num_workers is not None and "num_workers" in knobs:
@@ -93,7 +99,7 @@ def build(factory: Factory, setting: Setting, device: torch.device) -> Iterable[
             kwargs["prefetch_factor"] = 2
     if "pin_memory" in knobs:
         kwargs["pin_memory"] = device.type == "cuda"
-    return factory(**kwargs)
+    return kwargs
 
 
 def measure(
@@ -104,17 +110,21 @@ def measure(
     batches: int,
     warmup: int = 2,
     step: Step | None = None,
+    transform: Transform | None = None,
 ) -> tuple[float, int]:
     """Samples/s of the loop with ``setting`` (the step included when given), and batches used.
 
-    The first ``warmup`` batches (worker start-up) are pulled but not timed.
+    The first ``warmup`` batches (worker start-up) are pulled but not timed. ``transform`` is
+    applied as the user's pipeline applies it: by ``nostall.prefetch(transform=...)``, or in the
+    loop after the batch was moved when the setting has no prefetcher.
     """
     loader = build(factory, setting, device)
-    feed: Iterable[Any] = (
-        prefetch(loader, device, depth=setting.depth)
-        if setting.depth is not None
-        else (to_device(b, device, non_blocking=device.type == "cuda") for b in loader)
-    )
+    feed: Iterable[Any]
+    if setting.depth is not None:
+        feed = prefetch(loader, device, depth=setting.depth, transform=transform)
+    else:
+        moved = (to_device(b, device, non_blocking=device.type == "cuda") for b in loader)
+        feed = moved if transform is None else (transform(b) for b in moved)
     it = iter(feed)
     used = 0
     samples = 0
@@ -151,6 +161,8 @@ def tune(
     max_workers: int | None = None,
     threshold: float = 0.05,
     batches_per_trial: int = 12,
+    transform: Transform | None = None,
+    on_trial: Callable[[Setting, float, int], None] | None = None,
 ) -> TuneResult:
     """Hill-climb ``num_workers`` and prefetch depth; return the best setting and the curve.
 
@@ -169,6 +181,10 @@ def tune(
         max_workers: the CPU budget: the most ``num_workers`` tried (default: the core count).
         threshold: the smallest relative gain worth another step.
         batches_per_trial: batches timed per trial (after two start-up batches).
+        transform: the transform the pipeline applies (``nostall.prefetch(transform=...)``),
+            so that the trials measure the pipeline as it runs.
+        on_trial: called after each trial with its setting, samples/s and the batches spent
+            so far (a progress display, a log).
 
     Raises:
         TypeError: an argument of the wrong type (``factory`` or ``step`` not callable, a count
@@ -194,6 +210,12 @@ def tune(
             f"pass e.g. threshold=0.05, a 5% gain"
         )
     _arguments.integer("nostall.tune", "batches_per_trial", batches_per_trial, low=1, example=12)
+    _arguments.function(
+        "nostall.tune", "transform", transform, optional=True, hint="pass e.g. a Normalize"
+    )
+    _arguments.function(
+        "nostall.tune", "on_trial", on_trial, optional=True, hint="pass e.g. a logging function"
+    )
     dev = resolve_device(device)
     knobs = accepted_knobs(factory)
     cores = max_workers if max_workers is not None else (os.cpu_count() or 1)
@@ -202,9 +224,13 @@ def tune(
 
     def trial(setting: Setting) -> float:
         nonlocal spent
-        rate, used = measure(factory, setting, dev, batches=batches_per_trial, step=step)
+        rate, used = measure(
+            factory, setting, dev, batches=batches_per_trial, step=step, transform=transform
+        )
         spent += used
         curve.append((setting, rate))
+        if on_trial is not None:
+            on_trial(setting, rate, spent)
         return rate
 
     def affordable() -> bool:
