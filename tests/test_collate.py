@@ -159,7 +159,7 @@ def test_other_entries_are_stacked_as_given_and_documented() -> None:
 def test_samples_of_different_structure_are_named(samples: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         nostall.collate_uint8(samples)
-    with pytest.raises(TypeError, match="sample 1 is a int but sample 0 is a"):
+    with pytest.raises(TypeError, match="sample 1 is an int but sample 0 is a"):
         nostall.collate_uint8([samples[0], 3])
 
 

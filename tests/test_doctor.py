@@ -286,8 +286,8 @@ def test_without_a_step_the_bound_is_unknown(
         ("no_colon", "must be MODULE:FUNCTION"),
         ("no_such_module_nostall:make", "cannot import module"),
         ("{m}:missing", "has no attribute 'missing'"),
-        ("{m}:CONSTANT", "is a int, not a function"),
-        ("{m}:returns_int", "returned a int, not an iterable loader"),
+        ("{m}:CONSTANT", "is an int, not a function"),
+        ("{m}:returns_int", "returned an int, not an iterable loader"),
     ],
 )
 def test_bad_factory_exits_two(
@@ -349,7 +349,7 @@ def test_a_value_error_in_user_code_keeps_its_traceback(
     ("target", "message"),
     [
         ("nope:missing", "cannot import module 'nope'"),
-        ("{m}:returns_int", "returned a int, not an iterable loader"),
+        ("{m}:returns_int", "returned an int, not an iterable loader"),
     ],
 )
 def test_a_configuration_error_is_one_line_and_status_two(

@@ -775,7 +775,7 @@ def test_loading_overlaps_compute() -> None:
 
 def test_not_iterable_is_a_type_error_naming_the_type() -> None:
     """The message names what was received."""
-    with pytest.raises(TypeError, match="got 42, a int"):
+    with pytest.raises(TypeError, match="got 42, an int"):
         nostall.prefetch(42)  # type: ignore[arg-type]
 
 

@@ -12,9 +12,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 
+def kind(value: object) -> str:
+    """``'an int'``, ``'a float'``: the type of ``value``, with its article."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def received(value: object) -> str:
     """``'got 1.5, a float'``: the value (shortened) and its type."""
-    return f"got {value!r:.80}, a {type(value).__name__}"
+    return f"got {value!r:.80}, {kind(value)}"
 
 
 def _is_number(value: object) -> bool:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ._arguments import kind
+
 _CHANNELS = (1, 3, 4)
 
 
@@ -32,8 +34,7 @@ def _as_chw(image: Any, where: str) -> torch.Tensor:
             tensor = torch.from_numpy(image)
         except TypeError as e:
             raise TypeError(
-                f"collate_uint8: {where} is a {type(image).__name__}; it takes uint8 tensors or "
-                f"NumPy arrays"
+                f"collate_uint8: {where} is {kind(image)}; it takes uint8 tensors or NumPy arrays"
             ) from e
         except ValueError:  # negative strides (a flipped view): torch cannot view them
             tensor = torch.from_numpy(image.copy())
@@ -222,10 +223,10 @@ def collate_uint8(samples: Sequence[Any]) -> Any:
     return default_collate(list(samples))
 
 
-def _check_alike(samples: Sequence[Any], kind: type | tuple[type, ...]) -> None:
+def _check_alike(samples: Sequence[Any], expected: type | tuple[type, ...]) -> None:
     for i, sample in enumerate(samples):
-        if not isinstance(sample, kind):
+        if not isinstance(sample, expected):
             raise TypeError(
-                f"collate_uint8: sample {i} is a {type(sample).__name__} but sample 0 is a "
-                f"{type(samples[0]).__name__}; every sample must have the same structure"
+                f"collate_uint8: sample {i} is {kind(sample)} but sample 0 is "
+                f"{kind(samples[0])}; every sample must have the same structure"
             )

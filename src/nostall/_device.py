@@ -9,6 +9,7 @@ from types import FrameType
 
 import torch
 
+from ._arguments import kind
 from ._exceptions import DeviceUnavailableError
 
 DeviceLike = torch.device | str | int | None
@@ -93,7 +94,7 @@ def resolve_device(device: DeviceLike) -> torch.device:
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(
             f"device must be a torch.device, a string such as 'cuda:0' or 'cpu', an int or None "
-            f"(got {device!r}, a {type(device).__name__})"
+            f"(got {device!r}, {kind(device)})"
         )
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)

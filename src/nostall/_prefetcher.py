@@ -159,7 +159,7 @@ class Prefetcher(Generic[T]):
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"transform must be callable, e.g. nostall.transforms.Normalize(...) (got "
-                f"{transform!r} that is a {type(transform).__name__})"
+                f"{transform!r} that is {check.kind(transform)})"
             )
         self._source = source
         self.device = resolve_device(device)

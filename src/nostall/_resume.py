@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ._arguments import kind
 from ._epochs import EpochSource, describe_order
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
@@ -164,7 +165,7 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
         raise ValueError(
             f"not a nostall Prefetcher state (expected a dict from Prefetcher.state_dict() with "
-            f"'nostall': {STATE_VERSION}; got a {type(state).__name__})"
+            f"'nostall': {STATE_VERSION}; got {kind(state)})"
         )
     for key in ("epoch", "batches_yielded"):
         value = state.get(key)

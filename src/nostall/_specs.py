@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ._arguments import kind
 from ._exceptions import ConfigurationError
 
 Factory = Callable[..., Iterable[Any]]
@@ -53,7 +54,7 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
         ) from None
     if not callable(target):
         raise ConfigurationError(
-            f"{spec} is a {type(target).__name__}, not a function; {what} must be callable"
+            f"{spec} is {kind(target)}, not a function; {what} must be callable"
         )
     return target  # type: ignore[no-any-return]
 
@@ -75,7 +76,7 @@ def checked_factory(factory: Factory) -> Factory:
         loader = factory(**kwargs)
         if not callable(getattr(type(loader), "__iter__", None)):
             raise ConfigurationError(
-                f"the factory returned a {type(loader).__name__}, not an iterable loader; it "
+                f"the factory returned {kind(loader)}, not an iterable loader; it "
                 f"should return a DataLoader (or any iterable of batches)"
             )
         return loader
