@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import wait_until
 from torch.utils.data import DataLoader
 
 import nostall
@@ -114,3 +115,35 @@ def test_a_fixed_depth_is_the_current_depth() -> None:
     for _ in prefetcher:
         pass
     assert prefetcher.current_depth == 3
+
+
+class OneBadSample(torch.utils.data.Dataset[int]):
+    """Sample 4 fails (the third batch of two); 40 samples in all."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        if i == 4:
+            raise ValueError("sample 4 is corrupt")
+        return i
+
+
+def test_a_producer_paused_at_an_error_stays_paused_until_the_error_is_taken() -> None:
+    """Batches queued before an error are taken without restarting the producer.
+
+    So a loop that stops at the error leaves nothing running.
+    """
+    it = iter(nostall.prefetch(DataLoader(OneBadSample(), batch_size=2), "cpu", depth=4))
+    assert next(it).tolist() == [0, 1]
+    puller = it._puller
+    assert puller is not None
+    wait_until(lambda: puller.after_error, "the producer pulled the failed batch")
+    paused = it._lineage.thread
+    assert next(it).tolist() == [2, 3]  # queued before the error
+    assert it._lineage.thread is paused  # no producer started for what follows the error
+    with pytest.raises(ValueError, match="sample 4"):
+        next(it)
+    assert it._lineage.thread is paused
+    assert next(it).tolist() == [6, 7]  # the loop caught it and asks on: producing resumes
+    assert it._lineage.thread is not paused

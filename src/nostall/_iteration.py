@@ -136,7 +136,7 @@ class PrefetchIterator(Iterator[T]):
                 puller = self._start_or_end()
             elif self._lineage.fork_generation != _producer.fork_generation:
                 check_not_forked(self._lineage)
-            if puller.after_error:
+            if puller.after_error and (self._lineage.epoch, self._index) >= puller.paused_at:
                 self._go_on_after_error(puller)  # the loop caught the error and asks for more
             if self._index == puller.expected:
                 puller.ask_for_end()  # asked past the last batch: the source may now end

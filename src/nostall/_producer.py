@@ -45,9 +45,10 @@ class Puller:
           this saves two thread switches per batch. Both rules together keep every batch once
           and in order.
         * Once ``finished``, nothing more is pulled. An error in one batch does not finish the
-          puller, but nothing more is pulled until the consumer asks for the next batch
-          (``after_error``): then the same iterator is asked for the following one, as a
-          DataLoader's iterator is when the loop catches the error and goes on.
+          puller, but nothing more is pulled until the consumer took that error and asks for
+          the next batch (``after_error``, ``paused_at``): then the same iterator is asked for
+          the following one, as a DataLoader's iterator is when the loop catches the error and
+          goes on. A loop that stops at the error leaves nothing running.
         * A source with a length is not asked for anything past its ``expected`` batches
           until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
@@ -91,6 +92,9 @@ class Puller:
         self.asks_for_end = False
         #: A batch failed and the consumer has not asked for what follows it yet.
         self.after_error = False
+        #: (epoch, messages up to and including the failed batch): the consumer asks for what
+        #: follows the error only once it handed out that many.
+        self.paused_at = (epoch, 0)
         #: Set when the consumer asked for what follows the epoch's ``expected`` batches.
         self.may_pull_end = threading.Event()
         #: Serialises who calls ``set_epoch`` for the next epoch: the producer opening it
@@ -185,6 +189,7 @@ class Puller:
             self.batches, self.finished = None, True
         else:
             self.after_error = True  # nothing more is pulled until the consumer asks
+            self.paused_at = (self.epoch, self.pulled)  # pulled counts the failed batch
             self.channel.wake.set()
         state = None
         if not ends_epoch:
