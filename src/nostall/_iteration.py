@@ -150,15 +150,26 @@ class PrefetchIterator(Iterator[T]):
         except (StopIteration, NostallError):
             raise
         except Exception as e:
-            if not is_noted(e):
-                # Raised into this thread by a signal handler wherever next() was: PyTorch's
-                # SIGCHLD handler does so when a DataLoader worker dies.
-                add_note(
-                    e,
-                    f"nostall: raised in the consumer thread during next() for batch "
-                    f"{self._index} of this epoch",
-                )
-            raise
+            # Noted where it arose, unless it was. PyTorch's SIGCHLD handler raises a dead
+            # DataLoader worker's error into this thread wherever it is: waiting, pulling a
+            # batch itself, or right here, noting another error (at the first call below: so
+            # no call comes before the try). The error raised last is what the loop gets;
+            # Python chains the first as its context.
+            error: Exception = e
+            while True:
+                try:
+                    if not is_noted(error):
+                        add_note(
+                            error,
+                            f"nostall: raised in the consumer thread during next() "
+                            f"for batch {self._index} of this epoch",
+                        )
+                    break
+                except Exception as again:
+                    error = again
+            if error is e:
+                raise
+            raise error  # noqa: B904  (raised while the first was noted: its context stays)
 
     def _start_or_end(self) -> Puller:
         """No producer: start one on the first next(), else say why nothing more comes."""
