@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +14,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 import nostall
 
 Batches = list[list[int]]
+
+
+def ran_ahead(it: Any, handed_out: int) -> bool:
+    """The iteration's producer fetched batches beyond those handed out (or had none left)."""
+    puller = it._puller
+    return puller is None or puller.finished or puller.pulled > handed_out
 
 
 class Indices(Dataset[int]):
@@ -355,7 +360,7 @@ def test_resume_a_stateful_dataloader(workers: int, across: bool) -> None:
     after the same batches, though nostall fetched further ahead. (Its own resume draws the
     following epoch differently from an uninterrupted run: nostall says so when it loads.)
     """
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
     def make() -> StatefulDataLoader:
         return StatefulDataLoader(
@@ -383,7 +388,7 @@ def test_resume_a_stateful_dataloader(workers: int, across: bool) -> None:
         ours = iter(p)
         for _ in range(k):
             next(ours)
-        time.sleep(0.1)  # the producer fetches ahead meanwhile
+        wait_until(lambda it=ours, k=k: ran_ahead(it, k), "the producer fetched ahead")
         state = roundtrip(p.state_dict())
         p.close()
         resumed = nostall.prefetch(make(), "cpu", across_epochs=across)
@@ -423,7 +428,7 @@ def test_state_counts_batches_yielded_not_fetched() -> None:
     it = iter(p)
     next(it)
     next(it)
-    time.sleep(0.2)  # the producer runs 5 batches ahead meanwhile
+    wait_until(lambda: it._puller.pulled >= 5, "the producer ran ahead")
     state = p.state_dict()
     assert (0, 2) == (state["epoch"], state["batches_yielded"])
     p.close()
@@ -467,7 +472,7 @@ def test_state_for_another_sampler_is_refused() -> None:
 
 def test_state_from_a_stateful_source_needs_one() -> None:
     """A StatefulDataLoader's state does not fit a plain DataLoader."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
     p = nostall.prefetch(StatefulDataLoader(Indices(), batch_size=3), "cpu")
     it = iter(p)
@@ -630,7 +635,7 @@ def test_stateful_dataloader_state_before_the_first_batch_is_its_own() -> None:
     (A fresh StatefulDataLoader's state holds the seed its shuffle will use, so the resumed
     process draws the same order though its global generator is elsewhere.)
     """
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
     def make() -> StatefulDataLoader:
         return StatefulDataLoader(Indices(12), batch_size=3, shuffle=True)
@@ -650,7 +655,7 @@ def test_stateful_dataloader_state_before_the_first_batch_is_its_own() -> None:
 
 def test_stateful_iterable_dataset_resume_warns() -> None:
     """An IterableDataset without state_dict is resumed by re-reading it: nostall says so."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
     p = nostall.prefetch(StatefulDataLoader(Stream(), batch_size=2), "cpu")
     it = iter(p)

@@ -47,6 +47,7 @@ def test_gil_threads_prints_its_timings() -> None:
         assert any(line.startswith(start) for line in done.stdout.splitlines()), done.stdout
 
 
+@pytest.mark.perf
 def test_native_code_releases_the_gil() -> None:
     """What the example shows, checked robustly: Python runs while a thread is in a matmul.
 

@@ -114,8 +114,13 @@ def test_sys_exit_in_the_loop() -> None:
 def test_ctrl_c_during_next() -> None:
     """SIGINT while the consumer waits: KeyboardInterrupt promptly, and the producer stops."""
     code = PRELUDE + textwrap.dedent("""
-        it = iter(nostall.prefetch(Slow(2.0)))
-        print("waiting", flush=True)
+        def pulled_slowly():
+            for i in range(3):
+                print("pulling", flush=True)  # next(it) below is under way
+                time.sleep(2.0)
+                yield torch.tensor([i])
+
+        it = iter(nostall.prefetch(pulled_slowly()))
         start = time.monotonic()
         try:
             next(it)
@@ -139,8 +144,7 @@ def test_ctrl_c_during_next() -> None:
     )
     try:
         assert proc.stdout is not None
-        assert "waiting" == proc.stdout.readline().strip()
-        time.sleep(0.3)
+        assert "pulling" == proc.stdout.readline().strip()  # the child is inside next(it)
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

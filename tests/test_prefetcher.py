@@ -86,7 +86,7 @@ def test_empty_source_ends_at_once() -> None:
     loader = DataLoader(TensorDataset(torch.empty(0)), batch_size=4)
     start = time.monotonic()
     assert [] == list(nostall.prefetch(loader))
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 10.0  # at once: no wait for a batch that never comes
     assert not wait_for_no_nostall_threads(1.0)
 
 
@@ -462,7 +462,7 @@ def test_timeout_names_the_wait_and_loses_nothing() -> None:
         next(it)
     assert isinstance(info.value, TimeoutError)
     assert "next(source) for batch 0" in str(info.value)
-    time.sleep(0.6)  # the stalled fetch completes meanwhile
+    wait_until(lambda: not it._puller.channel.empty(), "the stalled batch queued")
     assert 0 == int(next(it))  # nothing lost
     it.close()
 
@@ -476,7 +476,7 @@ def test_dead_producer_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     start = time.monotonic()
     with pytest.raises(ProducerDiedError, match="ended without delivering batch 0"):
         next(it)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10.0  # noticed, not waited for forever
 
 
 # -- rows 19, 22: determinism, interleaving -----------------------------------------------------
@@ -672,12 +672,19 @@ def test_second_epoch_of_an_exhausted_generator_is_empty_with_a_warning() -> Non
 
 def test_breaking_out_of_a_generator_loses_nothing() -> None:
     """Batches fetched ahead for a one-shot source are handed to the next iteration."""
-    p = nostall.prefetch((torch.tensor([i]) for i in range(10)), depth=4)
+    pulled = []
+
+    def source() -> Iterator[torch.Tensor]:
+        for i in range(10):
+            pulled.append(i)
+            yield torch.tensor([i])
+
+    p = nostall.prefetch(source(), depth=4)
     first = []
     for batch in p:
         first.append(int(batch))
         if len(first) == 3:
-            time.sleep(0.2)  # let the producer fetch ahead
+            wait_until(lambda: len(pulled) >= 6, "the producer fetched ahead")
             break
     rest = [int(t) for t in p]
     assert list(range(10)) == first + rest
@@ -759,6 +766,7 @@ def test_producer_threads_are_named() -> None:
     it.close()
 
 
+@pytest.mark.perf
 def test_loading_overlaps_compute() -> None:
     """Loading and a GIL-releasing step of equal length overlap: far below the serial sum."""
     source = CountingSource(12, delay=0.05)

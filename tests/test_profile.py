@@ -32,8 +32,26 @@ def test_batches_are_unchanged() -> None:
     assert 18 == wrapped.report().batches
 
 
+def test_wait_counts_an_injected_stall() -> None:
+    """A source that takes 20 ms per batch, consumed without prefetching: waits of 20 ms or more.
+
+    Only lower bounds here (a sleep never ends early); how close the figures come to the
+    truth is a timing claim, tested by ``make test-perf``.
+    """
+    wrapped = nostall.profile(sleepy(15, 0.02), device="cpu")
+    for _ in wrapped:
+        time.sleep(0.005)
+    report = wrapped.report()
+    assert report.wait_s >= 15 * 0.02, report
+    assert report.wait_p50_s >= 0.02
+    assert report.interval_p50_s >= 0.025  # the wait and the 5 ms step
+    assert 60 == report.samples
+    assert report.iterations == 1
+
+
+@pytest.mark.perf
 def test_wait_matches_an_injected_stall() -> None:
-    """A source that takes 20 ms per batch, consumed without prefetching: 20 ms waits."""
+    """The same, within 5% of the injected 300 ms (a timing claim: ``make test-perf``)."""
     wrapped = nostall.profile(sleepy(15, 0.02), device="cpu")
     for _ in wrapped:
         time.sleep(0.005)
@@ -41,21 +59,31 @@ def test_wait_matches_an_injected_stall() -> None:
     expected = 15 * 0.02
     assert abs(report.wait_s - expected) <= max(0.05 * expected, 15 * 0.003), report
     assert 0.02 <= report.wait_p50_s < 0.03
-    assert 0.025 <= report.interval_p50_s < 0.04  # the wait and the 5 ms step
-    assert 60 == report.samples
+    assert 0.025 <= report.interval_p50_s < 0.04
     assert "highly input-bound" == report.verdict
 
 
-def test_prefetching_hides_the_stall_and_the_report_shows_it() -> None:
-    """Loading 10 ms, step 25 ms, through prefetch(profile=True): almost no waiting."""
+def test_prefetching_with_profile_reports_every_batch_and_the_start_up() -> None:
+    """Loading 10 ms, step 25 ms, through prefetch(profile=True): the report's structure."""
     p = nostall.prefetch(sleepy(12, 0.01), "cpu", profile=True)
     for _ in p:
         time.sleep(0.025)
     report = p.report()
     assert 12 == report.batches
-    assert report.stall_fraction < 0.15, report  # the first batch's load is the only wait
-    assert report.startup_wait_s >= 0.005  # ... and it is seen, apart from the steady waits
     assert report.iterations == 1
+    assert report.startup_wait_s >= 0.01  # the first batch's load is waited for, and seen
+    assert report.loop_s >= 12 * 0.025
+
+
+@pytest.mark.perf
+def test_prefetching_hides_the_stall_and_the_report_shows_it() -> None:
+    """Almost no waiting after the first batch (a timing claim: ``make test-perf``)."""
+    p = nostall.prefetch(sleepy(12, 0.01), "cpu", profile=True)
+    for _ in p:
+        time.sleep(0.025)
+    report = p.report()
+    assert report.stall_fraction < 0.15, report  # the first batch's load is the only wait
+    assert report.steady_stall_fraction < 0.05, report
 
 
 def test_report_needs_profile_true() -> None:
@@ -126,9 +154,10 @@ def test_time_between_epochs_is_not_loop_time() -> None:
     """A pause between two epochs (validation, say) does not count."""
     wrapped = nostall.profile([torch.zeros(1)] * 3, device="cpu")
     list(wrapped)
-    time.sleep(0.2)
+    pause = 0.5
+    time.sleep(pause)  # the validation between two epochs
     list(wrapped)
-    assert wrapped.report().loop_s < 0.1
+    assert wrapped.report().loop_s < pause  # six instant batches, whatever the machine's load
 
 
 def test_overhead_per_batch_is_small() -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import math
 import re
-import time
 from collections import namedtuple
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_batches, cpu_peak_bytes, cuda_peak_bytes
+from helpers import assert_same_batches, cpu_peak_bytes, cuda_peak_bytes, wait_until
 from simcuda import Kind, simulated_cuda
 
 import nostall
@@ -354,7 +353,8 @@ def test_prefetcher_checkpoint_resumes_the_transform_draws() -> None:
     it = iter(p)
     for i in range(4):
         torch.testing.assert_close(next(it), expected[i], atol=0, rtol=0)
-    time.sleep(0.05)  # the producer runs ahead: the pipeline's generators are past batch 4
+    # The producer runs ahead: the pipeline's generators are past batch 4.
+    wait_until(lambda: it._puller.pulled >= 6, "the producer transformed ahead")
     saved = io.BytesIO()
     torch.save(p.state_dict(), saved)
     p.close()
