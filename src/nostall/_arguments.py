@@ -6,8 +6,10 @@ type, and says what to pass. ``bool`` is never accepted where a number is meant.
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -170,3 +172,43 @@ def function(owner: str, name: str, value: object, *, optional: bool = False, hi
         return
     choices = "a function or None" if optional else "a function"
     raise TypeError(f"{owner}({name}=...) must be {choices} ({received(value)}); {hint}")
+
+
+# -- command-line flags (argparse types) -------------------------------------------------------
+
+N = TypeVar("N", int, float)
+
+
+def flag_number(kind: Callable[[str], N], low: float, strict: bool) -> Callable[[str], N]:
+    """An argparse type: a number of ``kind`` >= ``low`` (> ``low`` when ``strict``)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low or (strict and value == low):
+            bound = f"> {low:g}" if strict else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound} (got {text})")
+        return value
+
+    return parse
+
+
+def flag_list(kind: Callable[[str], N]) -> Callable[[str], tuple[N, ...]]:
+    """An argparse type: a comma-separated list of ``kind``."""
+
+    def parse(text: str) -> tuple[N, ...]:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except argparse.ArgumentTypeError:
+            raise
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list: {text!r}") from None
+
+    return parse
+
+
+#: A command-line count (an int >= 1), and a number > 0.
+flag_count = flag_number(int, 1, strict=False)
+flag_positive = flag_number(float, 0, strict=True)

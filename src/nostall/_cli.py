@@ -13,46 +13,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from . import __version__
+from ._arguments import flag_count as _count
+from ._arguments import flag_list as _list_of
+from ._arguments import flag_number as _number
+from ._arguments import flag_positive as _positive
 from ._exceptions import ConfigurationError, DeviceUnavailableError
 
 if TYPE_CHECKING:
     import torch
-
-N = TypeVar("N", int, float)
-
-
-def _number(kind: Callable[[str], N], low: float, strict: bool) -> Callable[[str], N]:
-    def parse(text: str) -> N:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < low or (strict and value == low):
-            bound = f"> {low:g}" if strict else f">= {low:g}"
-            raise argparse.ArgumentTypeError(f"must be {bound} (got {text})")
-        return value
-
-    return parse
-
-
-def _list_of(kind: Callable[[str], N]) -> Callable[[str], tuple[N, ...]]:
-    def parse(text: str) -> tuple[N, ...]:
-        try:
-            return tuple(kind(part) for part in text.split(",") if part.strip())
-        except argparse.ArgumentTypeError:
-            raise
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a comma-separated list: {text!r}") from None
-
-    return parse
-
-
-_count = _number(int, 1, strict=False)
-_positive = _number(float, 0, strict=True)
-
 
 _EXIT_STATUS = (
     "exit status: 0 done; 2 bad usage (a flag, a MODULE:FUNC that cannot be loaded, a device "
