@@ -156,3 +156,21 @@ def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     result = fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before, result
+
+
+class CountingTransform:
+    """A stateful transform: adds the number of batches it saw before this one."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        out = batch + self.seen
+        self.seen += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]

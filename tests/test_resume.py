@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CountingTransform
 from torch.utils.data import DataLoader
 
 from nostall._epochs import EpochSource
@@ -26,23 +27,6 @@ from nostall._resume import (
 def epochs_of(n: int = 10, batch_size: int = 2) -> EpochSource:
     loader = DataLoader(range(n), batch_size=batch_size, shuffle=True)
     return EpochSource(loader, across_epochs=False)
-
-
-class Counting:
-    """A stateful transform: counts the batches it saw."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def __call__(self, batch: Any) -> Any:
-        self.seen += 1
-        return batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seen = state["seen"]
 
 
 def test_a_batch_handed_out_advances_the_position_and_forgets_a_loaded_state() -> None:
@@ -114,14 +98,14 @@ def test_every_batch_handed_out_resumes_at_the_next_epoch_with_how_this_one_ende
 def test_a_saved_state_checks_and_loads_into_a_position() -> None:
     epochs = epochs_of()
     saved = state_of(Position.start(1, {"seen": 0}), epochs)
-    at = loaded_position(saved, epochs, Counting(), Position.start(0, None))
+    at = loaded_position(saved, epochs, CountingTransform(), Position.start(0, None))
     assert at == Position(1, 0, AS_BUILT, {"seen": 0}, saved)
 
 
 def test_a_state_without_a_transform_keeps_the_transform_where_it_is() -> None:
     epochs = epochs_of()
     saved = state_of(Position.start(1, None), epochs)
-    at = loaded_position(saved, epochs, Counting(), Position.start(0, {"seen": 6}))
+    at = loaded_position(saved, epochs, CountingTransform(), Position.start(0, {"seen": 6}))
     assert at.transform_state == {"seen": 6}
 
 

@@ -11,29 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CountingTransform
 from simcuda import Simulation, simulated_cuda
 
 from nostall._staging import CudaStaging, Staging
 
 CPU = torch.device("cpu")
-
-
-class Counting:
-    """A stateful transform: adds the number of batches it saw before this one."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
-        out = batch + self.seen
-        self.seen += 1
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seen = state["seen"]
 
 
 class Movable:
@@ -65,7 +48,7 @@ def test_an_object_with_to_is_moved_by_its_own_to() -> None:
 
 def test_the_transform_checkpoint_is_taken_with_each_batch() -> None:
     """A batch's checkpoint is the transform's state right after that batch, not later."""
-    staging = Staging(CPU, Counting())
+    staging = Staging(CPU, CountingTransform())
     first = staging.stage(torch.zeros(2))
     second = staging.stage(torch.zeros(2))
     assert first.batch.tolist() == [0, 0]
@@ -103,7 +86,7 @@ def test_cuda_staging_copies_on_its_stream_and_records_the_ready_event(sim: Simu
 
 
 def test_cuda_staging_takes_the_transform_checkpoint_on_the_copy_side(sim: Simulation) -> None:
-    staging = CudaStaging(torch.device("cuda"), True, Counting())
+    staging = CudaStaging(torch.device("cuda"), True, CountingTransform())
     first = staging.stage(torch.zeros(2))
     second = staging.stage(torch.zeros(2))
     assert (first.transform_state, second.transform_state) == ({"seen": 1}, {"seen": 2})
