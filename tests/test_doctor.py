@@ -386,14 +386,6 @@ def test_a_users_module_that_fails_to_import_keeps_its_traceback(
     assert not isinstance(info.value, ConfigurationError)
 
 
-def test_load_callable_raises_configuration_errors(user_module: str) -> None:
-    """A bad spec is a ConfigurationError, still a ValueError for Python callers."""
-    for spec in ("no_colon", ".relative:make", "nope:missing", f"{user_module}:missing"):
-        with pytest.raises(ConfigurationError):
-            load_callable(spec, "factory")
-    assert issubclass(ConfigurationError, ValueError)
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
