@@ -4,7 +4,8 @@ The user gives a *factory*: a function that builds their ``DataLoader`` and acce
 ``num_workers``, ``pin_memory``, ``prefetch_factor`` and ``persistent_workers`` as keyword
 arguments. Each trial builds a loader with one setting, skips its start-up batches and times a
 few more; the search climbs while a step up gains enough, within the CPU budget (cores) and the
-memory budget (half of the free memory for batches fetched ahead).
+memory budget (the one rule of :mod:`nostall._autodepth`: a tenth of the available memory for
+batches in flight, at most 64).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def tune(
     """Hill-climb ``num_workers`` and prefetch depth; return the best setting and the curve.
 
     Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count),
-    then the depth goes 4, 8, ... up to what half of the free memory holds, each while a step
+    then the depth goes 4, 8, ... up to what the memory budget holds, each while a step
     gains at least ``threshold`` (5%). A trial starts only while it fits in what is left of
     ``max_batches``, so ``batches_spent <= max_batches``, with one exception: the first trial
     always runs (a result needs one): a ``max_batches`` below ``batches_per_trial + 2`` (its
