@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 bench: $(STAMP)
 	mkdir -p out
-	$(VENV)/bin/nostall bench --gpu-transforms --json out/bench.json --plot out/bench.png
+	$(VENV)/bin/nostall bench --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -32,7 +32,9 @@ test-cuda: $(STAMP)
 
 bench-cuda: $(STAMP)
 	mkdir -p out
-	$(VENV)/bin/nostall bench --device cuda --gpu-transforms --json out/bench-cuda.json --plot out/bench-cuda.png
+	$(VENV)/bin/nostall bench --device cuda --json out/bench-cuda.json --plot out/bench-cuda.png
+	$(PY) benchmarks/h2d.py
+	$(PY) benchmarks/gpu_transforms.py --device cuda
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

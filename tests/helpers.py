@@ -174,3 +174,32 @@ class CountingTransform:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seen = state["seen"]
+
+
+#: The smallest ``nostall bench`` run that still exercises every trial: seconds on the CPU.
+TINY_BENCH: dict[str, Any] = dict(
+    batches=4,
+    batch_size=8,
+    image_size=16,
+    width=4,
+    ratios=(0.5, 1.0),
+    repeats=2,
+    jpeg_images=8,
+    jpeg_size=32,
+    handoff_batches=50,
+    min_run_time=0.01,
+    device="cpu",
+)
+
+
+def bench_result(values: dict[tuple[str, str, str, str], list[float]], load: float = 0.2) -> Any:
+    """A hand-made ``BenchResult``: each (trial, setting, contender, metric) with its values."""
+    from nostall.bench import BenchConfig, BenchResult
+    from nostall.bench._records import Record
+
+    machine = {"device": "cpu", "torch": "x", "cores": 2, "cpu": "test", "workers": 1}
+    result = BenchResult(BenchConfig(repeats=3), {**machine, "compute_threads": 1})
+    result.load_average = {"start": [load, load, load], "end": [load, load, load]}
+    for key, measured in values.items():
+        result.records.extend(Record(*key, v, i) for i, v in enumerate(measured))
+    return result

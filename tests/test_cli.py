@@ -23,34 +23,16 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench --help documents each flag."""
+    """bench --help documents each flag: one per BenchConfig field, and the output flags."""
+    import dataclasses
+
+    from nostall.bench import BenchConfig
+
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    flags = [
-        "--batches",
-        "--batch-size",
-        "--image-size",
-        "--width",
-        "--ratios",
-        "--depths",
-        "--io-share",
-        "--workers",
-        "--compute-threads",
-        "--repeats",
-        "--device",
-        "--contenders",
-        "--handoff-batches",
-        "--h2d-mb",
-        "--epochs",
-        "--epochs-ratio",
-        "--gpu-transforms",
-        "--transform-image-size",
-        "--json",
-        "--plot",
-        "--no-progress",
-    ]
-    for flag in flags:
+    fields = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(BenchConfig)]
+    for flag in [*fields, "--check", "--json", "--plot", "--no-progress"]:
         assert flag in out
 
 
@@ -63,7 +45,8 @@ def test_bench_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None
         ["bench", "--ratios", "1,x"],
         ["bench", "--ratios", "-1"],
         ["bench", "--io-share", "-0.5"],
-        ["bench", "--depths", "0"],
+        ["bench", "--depth", "0"],
+        ["bench", "--gpu-transforms"],
     ],
 )
 def test_bad_usage_exits_two_with_usage(
@@ -104,13 +87,62 @@ def test_bench_configuration_errors_are_one_line(
 def test_an_error_while_benchmarking_is_not_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ValueError raised while measuring propagates with its traceback, not as exit 2."""
 
-    def run_bench_that_fails(config: object) -> None:
+    def run_bench_that_fails(config: object, progress: object) -> None:
         raise ValueError("a figure went wrong")
 
     monkeypatch.setattr("nostall.bench.run_bench", run_bench_that_fails)
     with pytest.raises(ValueError, match="a figure went wrong") as info:
         main(["bench", "--device", "cpu", "--no-progress"])
     assert "run_bench_that_fails" in [entry.name for entry in info.traceback]
+
+
+@pytest.mark.parametrize(("speedups", "status"), [([1.5, 1.6], 0), ([0.6, 0.7], 1)])
+def test_bench_check_exits_non_zero_when_a_claim_fails(
+    speedups: list[float],
+    status: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--check prints each claim; a failed one makes the exit status 1, never 0."""
+    from helpers import bench_result
+
+    values = {
+        ("synthetic", "1", "serial DataLoader", "speedup"): [1.0, 1.0],
+        ("synthetic", "1", "nostall", "speedup"): speedups,
+    }
+    monkeypatch.setattr("nostall.bench.run_bench", lambda config, progress: bench_result(values))
+    assert status == main(["bench", "--device", "cpu", "--no-progress", "--check"])
+    out = capsys.readouterr().out
+    assert ("[FAILED]" in out) == bool(status)
+    assert "[held]" in out or "[FAILED]" in out
+
+
+def test_bench_without_check_exits_zero_and_prints_no_verdict(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Measure and state: without --check nothing is judged and the status is 0."""
+    from helpers import bench_result
+
+    values = {("synthetic", "1", "nostall", "speedup"): [0.6, 0.7]}
+    monkeypatch.setattr("nostall.bench.run_bench", lambda config, progress: bench_result(values))
+    assert 0 == main(["bench", "--device", "cpu", "--no-progress"])
+    out = capsys.readouterr().out
+    assert "FAILED" not in out
+    assert "[held]" not in out
+
+
+def test_bench_output_paths_are_checked_before_measuring(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --json path in a missing folder is refused at once (exit 2), nothing measured."""
+
+    def never(config: object, progress: object) -> None:
+        raise AssertionError("measured before checking the output path")
+
+    monkeypatch.setattr("nostall.bench.run_bench", never)
+    missing = tmp_path / "no" / "bench.json"
+    assert 2 == main(["bench", "--no-progress", "--json", str(missing)])
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_help_states_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,13 +192,15 @@ def test_tiny_bench_prints_the_table_and_writes_files(
         "--plot",
         str(tmp_path / "b.png"),
         "--no-progress",
-        "--epochs",
+        "--jpeg-images",
         "0",
+        "--min-run-time",
+        "0.01",
     ]
     assert 0 == main(argv)
     out = capsys.readouterr().out
     assert "serial DataLoader" in out
-    assert "winner:" in out
+    assert "conclusion:" in out
     assert (tmp_path / "b.json").is_file()
     assert (tmp_path / "b.png").is_file()
 

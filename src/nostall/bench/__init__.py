@@ -1,22 +1,21 @@
-"""``nostall bench``: the same workload through the usual ways to load data and through nostall.
+"""``nostall bench``: the usual ways to load data and nostall, side by side, as tidy records.
 
 ``run_bench(BenchConfig(...))`` measures; ``format_report``, ``write_json`` and ``write_plot``
-show the result. The command line is a thin layer over these.
+show; ``checks`` are the claims ``--check`` holds a run to.
 """
 
 from ._config import BenchConfig
-from ._json import to_dict, write_json
 from ._plot import write_plot
-from ._records import BenchResult
-from ._report import format_report
-from ._runner import run_bench
+from ._records import BenchResult, write_json
+from ._report import checks, format_report
+from ._trials import run_bench
 
 __all__ = [
     "BenchConfig",
     "BenchResult",
+    "checks",
     "format_report",
     "run_bench",
-    "to_dict",
     "write_json",
     "write_plot",
 ]

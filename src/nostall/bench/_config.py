@@ -1,65 +1,90 @@
-"""The benchmark's settings: every knob of ``nostall bench``, checked before anything runs."""
+"""The bench's settings, and the ``nostall bench`` flags generated from them.
+
+Each field of :class:`BenchConfig` carries its help and its command-line parser, so that a new
+knob is one field: its flag (``--io-share`` for ``io_share``), help and default follow.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
+from .._arguments import flag_count, flag_list, flag_number, flag_positive
 from .._device import DeviceLike
-from . import _contenders as c
+
+_share, _naturals = flag_number(float, 0, strict=False), flag_number(int, 0, strict=False)
 
 
-@dataclass
+def _knob(default: Any, help: str, parse: Callable[[str], Any]) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse})
+
+
+@dataclasses.dataclass
 class BenchConfig:
-    """Every knob of ``nostall bench``; the defaults take about two minutes on two CPU cores."""
+    """Every knob of ``nostall bench``; the defaults take about a minute on two CPU cores."""
 
-    batches: int = 32
-    batch_size: int = 32
-    image_size: int = 64
-    width: int = 16
-    ratios: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
-    depths: tuple[int, ...] = (2,)
-    io_share: float = 0.0
-    workers: int | None = None
-    compute_threads: int | None = None
-    repeats: int = 3
-    device: DeviceLike = None
-    contenders: tuple[str, ...] = ()
-    handoff_batches: int = 2000
-    h2d_mb: tuple[float, ...] = (8.0, 32.0, 128.0)
-    epochs: int = 5
-    epochs_ratio: float = 0.5
-    gpu_transforms: bool = False
-    transform_image_size: int = 128
-    progress: bool = True
+    batches: int = _knob(24, "batches per epoch of the synthetic images", flag_count)
+    batch_size: int = _knob(32, "samples per batch", flag_count)
+    image_size: int = _knob(64, "synthetic images are 3 x SIZE x SIZE uint8", flag_count)
+    width: int = _knob(16, "channels of the convnet trained on the synthetic images", flag_count)
+    ratios: tuple[float, ...] = _knob(
+        (0.25, 0.5, 1.0, 2.0),
+        "load/compute ratios: loading a synthetic batch costs RATIO times the step",
+        flag_list(flag_positive),
+    )
+    io_share: float = _knob(0.0, "share of the synthetic loading spent sleeping (I/O)", _share)
+    depth: int = _knob(2, "nostall's prefetch depth", flag_count)
+    workers: int | None = _knob(None, "DataLoader workers (default: the cores left)", flag_count)
+    compute_threads: int | None = _knob(
+        None, "intra-op threads of the step on the CPU (default: half the cores)", flag_count
+    )
+    repeats: int = _knob(3, "repeats of every timed epoch, contenders alternating", flag_count)
+    device: DeviceLike = _knob(None, "where the step runs (default: CUDA if present)", str)  # noqa: RUF009
+    contenders: tuple[str, ...] = _knob((), "run only these (comma-separated)", flag_list(str))
+    jpeg_images: int = _knob(256, "JPEG files of the image workload (0: none)", _naturals)
+    jpeg_size: int = _knob(224, "JPEG samples are cropped and resized to SIZE x SIZE", flag_count)
+    jpeg_width: int = _knob(4, "channels of the convnet trained on the JPEG samples", flag_count)
+    jpeg_cache: str | None = _knob(None, "folder of the JPEG files (~/.cache/nostall)", str)
+    handoff_batches: int = _knob(2000, "batches of the hand-off micro-benchmark", flag_count)
+    min_run_time: float = _knob(0.2, "seconds per micro-benchmark", flag_positive)
 
     def __post_init__(self) -> None:
-        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 0:
-            raise ValueError(
-                f"epochs must be 0 (no boundary test) or an int >= 2 (got {self.epochs!r})"
-            )
-        if not self.epochs_ratio > 0:
-            raise ValueError(f"epochs_ratio must be > 0 (got {self.epochs_ratio!r})")
-        if self.epochs == 1:
-            raise ValueError("epochs must be 0 (no boundary test) or an int >= 2 (got 1)")
-        for name in (
-            "batches",
-            "batch_size",
-            "image_size",
-            "width",
-            "repeats",
-            "handoff_batches",
-            "transform_image_size",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
-        if not self.ratios or any(not r > 0 for r in self.ratios):
-            raise ValueError(f"ratios must be numbers > 0 (got {self.ratios!r})")
-        if not self.depths or any(isinstance(d, bool) or d < 1 for d in self.depths):
-            raise ValueError(f"depths must be ints >= 1 (got {self.depths!r})")
+        """Each value must be what its flag's parser gives; ``ValueError`` names the field."""
+        for f in dataclasses.fields(self):
+            value, why = getattr(self, f.name), ""
+            if value is None or f.name in ("device", "contenders"):
+                continue  # the device is checked where it is resolved, contenders below
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            try:
+                ok = bool(text) and f.metadata["parse"](text) == value and value is not True
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                ok, why = False, f": {e}"
+            if not ok:
+                raise ValueError(f"{f.name}={value!r} is not valid{why} ({f.metadata['help']})")
         if not 0.0 <= self.io_share <= 1.0:
             raise ValueError(f"io_share must be between 0 and 1 (got {self.io_share!r})")
-        known = {k.name for k in c.ALL}
-        unknown = [name for name in self.contenders if name not in known]
+        from ._contenders import ALL
+
+        unknown = [n for n in self.contenders if n not in {k.name for k in ALL}]
         if unknown:
-            raise ValueError(f"unknown contenders {unknown}; choose from {sorted(known)}")
+            raise ValueError(f"unknown contenders {unknown}; choose from {[k.name for k in ALL]}")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`BenchConfig` field, with its help, parser and default."""
+    for f in dataclasses.fields(BenchConfig):
+        shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=f.metadata["parse"],
+            default=f.default,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} (default: {shown if shown not in ('', None) else '-'})",
+        )
+
+
+def from_flags(args: argparse.Namespace) -> BenchConfig:
+    """The :class:`BenchConfig` the parsed flags describe (its checks raise ``ValueError``)."""
+    return BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})

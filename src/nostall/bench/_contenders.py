@@ -1,9 +1,8 @@
-"""The ways of feeding a training loop that the benchmark runs side by side.
+"""The registry of ways to feed a training loop that the bench runs side by side.
 
-Each contender turns a source of host batches into a re-iterable of device batches, one epoch
-per ``iter()``. Peers are imported lazily and skipped when they are not installed (the ``peers``
-extra installs them). The seed design and the lookahead prefetcher are written here, in the
-peers' style, for comparison only.
+``make(sources, device, depth)`` returns a re-iterable of device batches, an epoch per
+``iter()``; ``sources.workers`` is the best-practice ``DataLoader`` (workers, ``pin_memory`` on
+CUDA, persistent). Peers are imported lazily, skipped when missing (the ``peers`` extra).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,44 +20,21 @@ from .._prefetcher import prefetch
 from .._transfer import to_device
 
 
-@dataclass(frozen=True)
-class Sources:
-    """The two host-side sources every contender draws from.
-
-    ``serial`` loads in the calling thread (a ``DataLoader`` with ``num_workers=0``);
-    ``workers`` is the best-practice ``DataLoader`` (worker processes, ``pin_memory`` on CUDA,
-    ``persistent_workers=True``).
-    """
+class Sources(NamedTuple):
+    """The two host-side loaders over the same dataset."""
 
     serial: Iterable[Any]
     workers: Iterable[Any]
 
 
-Make = Callable[[Sources, torch.device, int], Iterable[Any]]
-
-
 @dataclass(frozen=True)
 class Contender:
-    """One way of feeding the loop.
-
-    Attributes:
-        name: shown in tables.
-        source: which of :class:`Sources` it reads (``"serial"`` or ``"workers"``); that
-            source's load-only time bounds its epoch.
-        make: builds the re-iterable of device batches, given the sources, the device and a
-            prefetch depth (used by contenders that have one).
-        requires: a module that must be importable, for peers.
-        cuda_only: only meaningful with a GPU.
-        unsafe: reads batches without waiting for their copy (the seed design).
-        prefetcher: fetches ahead in the background (these also run the hand-off test).
-    """
+    """One way of feeding the loop; ``prefetcher`` ones also run the hand-off trial."""
 
     name: str
-    source: str
-    make: Make
-    requires: str | None = None
+    make: Callable[[Sources, torch.device, int], Iterable[Any]]
+    requires: str | None = None  # a peer's module
     cuda_only: bool = False
-    unsafe: bool = False
     prefetcher: bool = False
 
     def available(self, device: torch.device) -> bool:
@@ -68,7 +44,7 @@ class Contender:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
-class _Reiterable:
+class Reiterable:
     """An iterable that calls ``start()`` for each epoch."""
 
     def __init__(self, start: Callable[[], Iterator[Any]]) -> None:
@@ -78,186 +54,87 @@ class _Reiterable:
         return self._start()
 
 
-def _moved(batches: Iterable[Any], device: torch.device, non_blocking: bool) -> Iterator[Any]:
-    for batch in batches:
-        yield to_device(batch, device, non_blocking=non_blocking)
+def moved(batches: Iterable[Any], device: torch.device, non_blocking: bool) -> Reiterable:
+    """``batches`` moved to ``device`` in the consuming thread, as a plain loop does it."""
+    return Reiterable(lambda: (to_device(b, device, non_blocking=non_blocking) for b in batches))
 
 
-def _serial(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-    return _Reiterable(lambda: _moved(sources.serial, device, False))
+def _seed(sources: Sources, device: torch.device, depth: int) -> Reiterable:
+    """The seed documents' design: a thread filling a ``Queue(2)`` (unsafe on CUDA).
 
-
-def _best_practice(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-    return _Reiterable(lambda: _moved(sources.workers, device, device.type == "cuda"))
-
-
-class SeedPrefetcher:
-    """The seed documents' design, a thread filling a ``Queue(2)``.
-
-    On CUDA it copies batches on a side stream with ``non_blocking=True`` and the consumer never
-    waits for the copy (unsafe). Written per epoch here (the original loops forever and leaks
-    its thread), so that it can be timed fairly.
+    It copies on a side stream with ``non_blocking=True`` and the consumer never waits for the
+    copy. The original loops forever and leaks its thread; this one ends with each epoch.
     """
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
-    def __init__(self, source: Iterable[Any], device: torch.device) -> None:
-        self.source, self.device = source, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-
-    def __iter__(self) -> Iterator[Any]:
+    def epoch() -> Iterator[Any]:
         items: queue.Queue[Any] = queue.Queue(2)
-        end = object()
 
         def run() -> None:
-            if self.stream is not None:
-                torch.cuda.set_device(self.device)
-            for batch in self.source:
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        batch = to_device(batch, self.device, non_blocking=True)
+            for batch in sources.serial:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        batch = to_device(batch, device, non_blocking=True)
                 items.put(batch)
-            items.put(end)
+            items.put(items)  # the queue itself marks the end
 
         threading.Thread(target=run, name="bench-seed-prefetcher", daemon=True).start()
-        while (batch := items.get()) is not end:
+        while (batch := items.get()) is not items:
             yield batch
 
+    return Reiterable(epoch)
 
-class LookaheadPrefetcher:
-    """A one-batch lookahead on a side stream in the consumer thread, in the style of timm's.
 
-    Like timm's ``PrefetchLoader``: copy batch k+1 while batch k is used; ``wait_stream``
-    before use.
-    """
+def _lookahead(sources: Sources, device: torch.device, depth: int) -> Reiterable:
+    """timm's ``PrefetchLoader`` style: copy batch k+1 on a side stream while k is used."""
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
-    def __init__(self, source: Iterable[Any], device: torch.device) -> None:
-        self.source, self.device = source, device
-        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-
-    def __iter__(self) -> Iterator[Any]:
+    def epoch() -> Iterator[Any]:
         current: Any = None
-        first = True
-        for upcoming in self.source:
-            with torch.cuda.stream(self.stream):
-                upcoming = to_device(upcoming, self.device, non_blocking=True)
-            if not first:
+        for i, upcoming in enumerate(sources.workers):
+            with torch.cuda.stream(stream):
+                upcoming = to_device(upcoming, device, non_blocking=True)
+            if i:
                 yield current
-            first = False
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            torch.cuda.current_stream(device).wait_stream(stream)
             current = upcoming
-        if not first:
+        if current is not None:
             yield current
 
-
-class ForeverSeedPrefetcher:
-    """The seed design as written there: one thread loops over the loader forever.
-
-    Epochs are cut from the endless stream by the loader's length, so the next epoch starts at
-    once (and before ``set_epoch`` can reach the sampler: the seed's defect). ``close()`` stops
-    the thread; this exists to measure epoch boundaries.
-    """
-
-    def __init__(self, source: Any, device: torch.device) -> None:
-        self.source, self.device = source, device
-        self.items: queue.Queue[Any] = queue.Queue(2)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="bench-seed-forever", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            for batch in self.source:
-                moved = to_device(batch, self.device)
-                while not self.stopped.is_set():
-                    try:
-                        self.items.put(moved, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stopped.is_set():
-                    return
-
-    def __iter__(self) -> Iterator[Any]:
-        for _ in range(len(self.source)):
-            yield self.items.get()
-
-    def close(self) -> None:
-        """Stop the endless thread."""
-        self.stopped.set()
-        self.thread.join(5)
+    return Reiterable(epoch)
 
 
-def _seed(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-    return SeedPrefetcher(sources.serial, device)
+def _prefetch_generator(sources: Sources, device: torch.device, depth: int) -> Reiterable:
+    from prefetch_generator import BackgroundGenerator
+
+    # Its default depth (max_prefetch=1); the consumer moves each batch, as its users do.
+    return Reiterable(lambda: (to_device(b, device) for b in BackgroundGenerator(sources.serial)))
 
 
-def _lookahead(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-    return LookaheadPrefetcher(sources.workers, device)
-
-
-def _prefetch_generator(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-    from prefetch_generator import BackgroundGenerator  # the peers extra
-
-    # Its default depth (max_prefetch=1); batches are moved in the consumer, as its users do.
-    return _Reiterable(lambda: _moved(BackgroundGenerator(iter(sources.serial)), device, False))
-
-
-def _torchdata_nodes(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-    import torchdata.nodes as tn  # the peers extra
+def _torchdata_nodes(sources: Sources, device: torch.device, depth: int) -> Reiterable:
+    import torchdata.nodes as tn
 
     node: Any = tn.IterableWrapper(sources.serial)
     cuda = device.type == "cuda"
-    if cuda:
-        node = tn.PinMemory(node)
-    loader = tn.Loader(tn.Prefetcher(node, prefetch_factor=2))
-    # torchdata.nodes has no device transfer: the consumer moves each batch.
-    return _Reiterable(lambda: _moved(loader, device, cuda))
+    loader = tn.Loader(tn.Prefetcher(tn.PinMemory(node) if cuda else node, prefetch_factor=2))
+    return moved(loader, device, cuda)  # torchdata.nodes has no device transfer
 
 
-def _nostall_over(source_name: str) -> Make:
-    def make(sources: Sources, device: torch.device, depth: int) -> Iterable[Any]:
-        return prefetch(getattr(sources, source_name), device, depth=depth)
-
-    return make
-
-
-SERIAL = Contender("serial DataLoader", "serial", _serial)
-BEST_PRACTICE = Contender("best-practice DataLoader", "workers", _best_practice)
-SEED = Contender("seed thread+Queue(2)", "serial", _seed, unsafe=True, prefetcher=True)
+SERIAL = Contender("serial DataLoader", lambda s, d, _: moved(s.serial, d, False))
+BEST = Contender("best-practice DataLoader", lambda s, d, _: moved(s.workers, d, d.type == "cuda"))
+SEED = Contender("seed thread+Queue(2)", _seed, prefetcher=True)  # unsafe on CUDA
 PREFETCH_GENERATOR = Contender(
-    "prefetch_generator",
-    "serial",
-    _prefetch_generator,
-    requires="prefetch_generator",
-    prefetcher=True,
+    "prefetch_generator", _prefetch_generator, "prefetch_generator", prefetcher=True
 )
-TORCHDATA = Contender(
-    "torchdata.nodes", "serial", _torchdata_nodes, requires="torchdata", prefetcher=True
-)
-LOOKAHEAD = Contender("timm-style lookahead", "workers", _lookahead, cuda_only=True)
-NOSTALL = Contender("nostall", "serial", _nostall_over("serial"), prefetcher=True)
-NOSTALL_WORKERS = Contender("nostall + workers", "workers", _nostall_over("workers"))
+TORCHDATA = Contender("torchdata.nodes", _torchdata_nodes, "torchdata", prefetcher=True)
+LOOKAHEAD = Contender("timm-style lookahead", _lookahead, cuda_only=True)
+NOSTALL = Contender("nostall", lambda s, d, n: prefetch(s.serial, d, depth=n), prefetcher=True)
+NOSTALL_WORKERS = Contender("nostall + workers", lambda s, d, n: prefetch(s.workers, d, depth=n))
 
 #: Every contender, in the order tables list them.
-ALL = (
-    SERIAL,
-    BEST_PRACTICE,
-    SEED,
-    PREFETCH_GENERATOR,
-    TORCHDATA,
-    LOOKAHEAD,
-    NOSTALL,
-    NOSTALL_WORKERS,
-)
+ALL = (SERIAL, BEST, SEED, PREFETCH_GENERATOR, TORCHDATA, LOOKAHEAD, NOSTALL, NOSTALL_WORKERS)
 
 
-def with_depth(contender: Contender, depth: int) -> Contender:
-    """A nostall contender at a given depth, named after it (for the depth sweep)."""
-    return Contender(
-        f"{contender.name} (depth {depth})",
-        contender.source,
-        lambda sources, device, _: contender.make(sources, device, depth),
-        contender.requires,
-        contender.cuda_only,
-        contender.unsafe,
-        contender.prefetcher,
-    )
+def chosen(names: tuple[str, ...], device: torch.device) -> list[Contender]:
+    """The contenders that run: those named (all when none are), that can run here."""
+    return [k for k in ALL if (not names or k.name in names) and k.available(device)]

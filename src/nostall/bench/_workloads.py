@@ -1,0 +1,136 @@
+"""The bench's workloads: synthetic images of a set cost, JPEG files decoded with PIL, a convnet.
+
+Each dataset gives an index the same sample on every call, in any process, so that any two
+ways of loading it can be compared batch for batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import random
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+@functools.cache
+def hash_bytes_per_ms() -> float:
+    """Bytes ``hashlib.sha256`` digests per millisecond here, in one thread.
+
+    Hashing stands in for decoding: native code that releases the GIL, as decoders do, and
+    costs the same in the main thread, a helper thread or a worker process.
+    """
+    buffer = bytes(1 << 20)
+    best = min(timeit.repeat(lambda: hashlib.sha256(buffer).digest(), number=1, repeat=5))
+    return len(buffer) / (best * 1e3)
+
+
+class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
+    """(C, H, W) uint8 images; loading one costs ``decode_ms`` of hashing and ``io_ms`` of sleep."""
+
+    def __init__(
+        self, length: int, *, size: int = 64, decode_ms: float = 0, io_ms: float = 0
+    ) -> None:
+        self.length, self.io_ms = length, io_ms
+        self._payload = bytes(int(decode_ms * hash_bytes_per_ms()) if decode_ms > 0 else 0)
+        # Pixels vary within an image, so that a layout mistake changes values.
+        self._pattern = (torch.arange(3 * size**2) % 251).to(torch.uint8).reshape(3, size, size)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.io_ms:
+            time.sleep(self.io_ms / 1e3)
+        if self._payload:
+            hashlib.sha256(self._payload).digest()
+        return self._pattern + index % 251, index % 10
+
+
+def jpeg_files(folder: str | None, count: int) -> list[Path]:
+    """``count`` JPEG files in ``folder`` (default ``~/.cache/nostall/bench-jpeg``), made once.
+
+    Seeded smooth noise, 320-376 x 360-488 pixels: it compresses like a photograph (about
+    40 kB), where flat colour would decode unrealistically fast.
+    """
+    from PIL import Image  # the bench extra
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    where = Path(folder) if folder else cache / "nostall" / "bench-jpeg"
+    where.mkdir(parents=True, exist_ok=True)
+    paths = [where / f"{i:06d}.jpg" for i in range(count)]
+    for i, path in enumerate(paths):
+        if not path.exists():
+            size = (360 + 16 * (i % 9), 320 + 8 * (i % 8))
+            coarse = random.Random(i).randbytes(size[0] // 8 * (size[1] // 8) * 3)
+            image = Image.frombytes("RGB", (size[0] // 8, size[1] // 8), coarse)
+            part = path.with_suffix(".part")  # a bench stopped halfway leaves no broken file
+            image.resize(size, Image.Resampling.BILINEAR).save(part, "JPEG", quality=90)
+            part.replace(path)
+    return paths
+
+
+class JpegImages(Dataset[tuple[torch.Tensor, int]]):
+    """JPEG files decoded with PIL, cropped and resized to ``size`` x ``size``: CHW uint8.
+
+    The crop is ``RandomResizedCrop``'s, drawn from the index (35-100% of the area, 3/4-4/3).
+    """
+
+    def __init__(self, paths: list[Path], size: int = 224) -> None:
+        self.paths, self.size = [str(p) for p in paths], size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.paths[index]) as image:
+            image = image.convert("RGB")
+        draw, (width, height) = random.Random(index), image.size
+        area, aspect = width * height * draw.uniform(0.35, 1.0), draw.uniform(3 / 4, 4 / 3)
+        w = min(width, round((area * aspect) ** 0.5))
+        h = min(height, round((area / aspect) ** 0.5))
+        left, top = draw.randint(0, width - w), draw.randint(0, height - h)
+        image = image.resize(
+            (self.size, self.size), Image.Resampling.BILINEAR, (left, top, left + w, top + h)
+        )
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        return pixels.view(self.size, self.size, 3).permute(2, 0, 1), index % 10
+
+
+def train_step(width: int, device: torch.device) -> Callable[[Any], float]:
+    """A training step (forward, backward, SGD) of a fresh small convnet of ``width`` channels.
+
+    It reads the loss back (``.item()``), as logging loops do: its time includes the device's.
+    """
+    model = nn.Sequential(
+        nn.Conv2d(3, width, 3, stride=2, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, 10),
+    ).to(device)
+    optimizer, loss_fn = torch.optim.SGD(model.parameters(), lr=0.01), nn.CrossEntropyLoss()
+
+    def step(batch: Any) -> float:
+        images, labels = batch
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(images.contiguous().float().div_(255.0)), labels)
+        loss.backward()
+        optimizer.step()
+        return float(loss.item())
+
+    return step

@@ -1,0 +1,60 @@
+"""The tidy records and their one aggregation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import bench_result
+
+from nostall.bench import write_json
+from nostall.bench._records import Record, Stat, summarize
+
+
+def test_summarize_gives_median_and_spread_in_arrival_order() -> None:
+    """One Stat per trial, setting, contender and metric, in the order of the run."""
+    records = [
+        Record("t", "b", "x", "m", 3.0),
+        Record("t", "a", "x", "m", 1.0),
+        Record("t", "b", "x", "m", 1.0),
+        Record("t", "b", "x", "m", 2.0),
+    ]
+    stats = summarize(records)
+    assert [("t", "b", "x", "m"), ("t", "a", "x", "m")] == list(stats)
+    assert Stat(2.0, 1.0, 3.0, 3) == stats[("t", "b", "x", "m")]
+    assert Stat(1.0, 1.0, 1.0, 1) == stats[("t", "a", "x", "m")]
+
+
+def test_a_stat_prints_its_spread_and_says_which_side_of_one_it_lies() -> None:
+    """Only a spread wholly above (or below) 1 is a gain (or a cost)."""
+    assert "1.25 (1.10-1.40)" == f"{Stat(1.25, 1.1, 1.4, 3):.2f}"
+    assert Stat(1.2, 1.1, 1.4, 3).exceeds_one
+    assert Stat(0.8, 0.7, 0.9, 3).below_one
+    straddling = Stat(1.05, 0.95, 1.2, 3)
+    assert not straddling.exceeds_one
+    assert not straddling.below_one
+
+
+def test_result_lists_settings_and_contenders_in_order() -> None:
+    """What a trial ran, in the order it ran it; a missing figure is None."""
+    result = bench_result(
+        {
+            ("synthetic", "0.5", "serial DataLoader", "speedup"): [1.0],
+            ("synthetic", "0.5", "nostall", "speedup"): [1.5, 1.7],
+            ("synthetic", "1", "nostall", "speedup"): [1.9],
+        }
+    )
+    assert ["0.5", "1"] == result.settings("synthetic")
+    assert ["serial DataLoader", "nostall"] == result.contenders("synthetic")
+    assert 1.6 == result.stat("synthetic", "0.5", "nostall", "speedup").median
+    assert result.stat("synthetic", "1", "serial DataLoader", "speedup") is None
+
+
+def test_json_holds_every_record_and_the_settings(tmp_path: Path) -> None:
+    """--json: the config, the machine, the load and every record; nothing unserialisable."""
+    result = bench_result({("handoff", "", "nostall", "us_per_batch"): [1.0, 2.0]})
+    write_json(result, tmp_path / "bench.json")
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert {"config", "machine", "load_average", "seconds", "records"} == set(data)
+    assert [1.0, 2.0] == [r["value"] for r in data["records"]]
+    assert 3 == data["config"]["repeats"]
