@@ -226,8 +226,11 @@ def test_worker_killed_by_a_signal_arrives_with_a_note() -> None:
         try:
             for batch in nostall.prefetch(loader, "cpu"):
                 pass
-        except RuntimeError as e:
-            print("error:", "DataLoader worker" in str(e))  # killed, or exited unexpectedly
+        except (RuntimeError, ConnectionError) as e:
+            # PyTorch's own error: the worker was killed or exited unexpectedly, or (on a busy
+            # machine) it died while handing a batch's shared memory over: connection reset.
+            loaders = isinstance(e, ConnectionError) or "DataLoader worker" in str(e)
+            print("error:", loaders)
             print("noted:", any("nostall:" in n for n in getattr(e, "__notes__", [])))
     """)
     assert 0 == done.returncode, done.stderr
