@@ -20,7 +20,7 @@ from ._records import BenchResult, Stat
 NOSTALL, SERIAL = "nostall", "serial DataLoader"
 
 
-def format_report(result: BenchResult, width: int = 120) -> str:
+def format_report(result: BenchResult, width: int = 150) -> str:
     """The whole report as text: tables drawn by rich, micro-benchmarks by ``Compare``."""
     out = io.StringIO()
     console = Console(file=out, width=width, no_color=True, highlight=False)
