@@ -97,6 +97,13 @@ class Channel:
         """Return a slot taken with :meth:`acquire` for a message that will not be sent."""
         self.slots.release()
 
+    def free_slots(self) -> int:
+        """Slots free now (read without taking one: only the producer takes, so it may grow).
+
+        CPython's and PyPy's ``threading.Semaphore`` keep their count in ``_value``.
+        """
+        return int(self.slots._value)
+
     def put(self, message: Message) -> None:
         """Send a message that owns a slot taken with :meth:`acquire`."""
         self.items.put(message)

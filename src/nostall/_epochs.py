@@ -12,13 +12,14 @@ is a map-style ``DataLoader``, else by pulling and dropping them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, is_prepared_shard
+from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
 
@@ -137,13 +138,16 @@ class _SkipFirst:
         return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
 
 
-def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
+def skip_ahead(
+    source: Iterable[Any], count: int, iterate: Callable[[Any], Iterator[Any]] = iter
+) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
     A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
     so that the user's loader is untouched; anything else is pulled and dropped. (A loader with
     persistent workers keeps one iterator, and its draws, across epochs: a copy would make its
-    next epoch draw differently, so it is pulled too.)
+    next epoch draw differently, so it is pulled too.) ``iterate`` makes an epoch's iterator
+    (``threads=``: a :class:`~nostall._threads.ThreadedEpoch`).
     """
     # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
     # but iterate a loader of their own, which a copy's sampler would not reach.
@@ -157,8 +161,8 @@ def skip_ahead(source: Iterable[Any], count: int) -> Iterator[Any]:
             clone = copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
         else:
             clone = copy_loader(source, sampler=_SkipFirst(source.sampler, count))
-        return iter(clone)
-    it = iter(source)
+        return iterate(clone)
+    it = iterate(source)
     for _ in range(count):
         try:
             next(it)
@@ -185,9 +189,15 @@ class EpochSource:
     """
 
     def __init__(
-        self, source: Iterable[Any], across_epochs: bool, mirror: ShardMirror | None = None
+        self,
+        source: Iterable[Any],
+        across_epochs: bool,
+        mirror: ShardMirror | None = None,
+        threads: int | None = None,
     ) -> None:
         self.source = source
+        #: With ``threads=``: the loading threads every epoch of the DataLoader runs on.
+        self.pool = None if threads is None else Pool(threads, "nostall-load")
         self.across_epochs = across_epochs
         #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
         self.mirror = mirror
@@ -199,6 +209,10 @@ class EpochSource:
             )
         self.resume: dict[str, Any] | None = None
         self.captures: dict[int, dict[str, Any]] = {}
+
+    def _iterate(self, loader: Any) -> Iterator[Any]:
+        """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
+        return iter(loader) if self.pool is None else ThreadedEpoch(loader, self.pool)
 
     @property
     def iterable(self) -> Iterable[Any]:
@@ -245,10 +259,10 @@ class EpochSource:
         if self.stateful:
             if resume is not None and resume["source_state"] is not None:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
-            return iter(self.iterable), skipped
+            return self._iterate(self.iterable), skipped
         if resume is None:
             self.captures = {epoch: self._capture()}  # older epochs are no longer needed
-            return iter(self.iterable), 0
+            return self._iterate(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, replay["sampler_epoch"])
@@ -288,7 +302,7 @@ class EpochSource:
                 for _ in itertools.islice(it, skipped):
                     pass
             else:
-                it = skip_ahead(self.iterable, skipped)
+                it = skip_ahead(self.iterable, skipped, self._iterate)
             # Pull the first batch now: a sampler may draw its order lazily at its first item,
             # and that draw must see the restored state too.
             first = list(itertools.islice(it, 1))

@@ -29,6 +29,7 @@ from ._source_checks import (
     warn_inexact_stateful_resume,
 )
 from ._staging import CudaStaging, Staging
+from ._threads import check_threadable
 
 T = TypeVar("T")
 
@@ -47,6 +48,7 @@ def prefetch(
     profile: bool = False,
     transform: Callable[[Any], Any] | None = None,
     shard: bool | None = None,
+    threads: int | None = None,
 ) -> Prefetcher[T]:
     """Wrap ``source`` so that its next batches are loaded and moved to ``device`` meanwhile.
 
@@ -71,6 +73,10 @@ def prefetch(
             a DataLoader whose sampler is not distributed, with a ``DistributedSampler`` built
             as Lightning builds the one it injects (``True``); never split, never warn
             (``False``); or warn that every rank loads all the data (``None``, the default).
+        threads: load a ``DataLoader``'s samples with this many threads in this process,
+            instead of worker processes: the loader's dataset, sampler and ``collate_fn``, the
+            same batches in the same order (see :mod:`nostall._threads`). The loader must be
+            built with ``num_workers=0`` over a map-style dataset.
     """
     return Prefetcher(
         source,
@@ -82,6 +88,7 @@ def prefetch(
         profile=profile,
         transform=transform,
         shard=shard,
+        threads=threads,
     )
 
 
@@ -146,8 +153,10 @@ class Prefetcher(Generic[T]):
         profile: bool = False,
         transform: Callable[[Any], Any] | None = None,
         shard: bool | None = None,
+        threads: int | None = None,
     ) -> None:
         check.source(source)
+        check_threadable(source, threads)
         check.depth(depth)
         check.timeout(timeout)
         check.flag("nostall.prefetch", "pin_memory", pin_memory, optional=True)
@@ -182,7 +191,7 @@ class Prefetcher(Generic[T]):
         self._shard = shard
         self._lineage = Lineage(
             isinstance(source, Iterator),
-            EpochSource(source, across_epochs, mirror),
+            EpochSource(source, across_epochs, mirror, threads),
             self._staging.transform_state(),
         )
         self._recorder = StallRecorder(self.device) if profile else None

@@ -1,6 +1,8 @@
 """The DataLoader internals nostall relies on, in one place, each with why.
 
-A DataLoader with ``persistent_workers=True`` keeps its live iterator (its worker processes) in
+A DataLoader iterates its ``_index_sampler`` (the batch sampler, or the sampler without
+automatic batching, ``_auto_collation``); ``threads=`` iterates it the same way. A DataLoader
+with ``persistent_workers=True`` keeps its live iterator (its worker processes) in
 the private ``_iterator`` attribute; and a DataLoader refuses ``sampler`` and ``batch_sampler``
 once built (its ``__setattr__`` checks a private flag). nostall reads the first to tell a fresh
 epoch from a resumed one, and sets samplers on a private copy of the loader (resume, sharding).
@@ -38,3 +40,13 @@ def copy_loader(loader: L, **attributes: Any) -> L:
     for name, value in attributes.items():
         object.__setattr__(clone, name, value)
     return clone
+
+
+def index_sampler(loader: DataLoader[Any]) -> Any:
+    """What the loader's iterator draws indices from: batches of them, or one per sample."""
+    return loader._index_sampler
+
+
+def auto_collation(loader: DataLoader[Any]) -> bool:
+    """Whether the loader fetches batches of indices and collates them (``batch_size`` set)."""
+    return bool(loader._auto_collation)

@@ -1,0 +1,272 @@
+"""Loading a DataLoader's epoch with threads in this process, instead of worker processes.
+
+``nostall.prefetch(loader, threads=N)`` iterates each epoch of ``loader`` as a
+:class:`ThreadedEpoch`: the loader's own index sampler, dataset and ``collate_fn``, its samples
+fetched by a pool of N threads. Image decoders, tokenisers, NumPy and most I/O release the GIL,
+so the threads load in parallel without a process, a copy of the dataset or pickling per worker.
+
+Invariants:
+    * An epoch draws exactly what the loader's own ``iter()`` draws, in the same order: the
+      index sampler's iterator, then the workers' base seed from ``loader.generator``. So the
+      batches, and the shuffle, are those of iterating the loader itself.
+    * Samples are fetched in sampler order (the pool's queue is first in, first out), several
+      threads on one batch at once: the first batch arrives after about a batch of work
+      divided by N, not after N competing batches.
+    * Each sample is fetched with its own random state, seeded from the epoch's base seed and
+      the sample's position in the epoch: ``torch.thread_safe_generator()`` (and
+      ``torch.utils.data.get_worker_info().rng``) give it in the loading threads, so an
+      augmentation drawn from it does not depend on the thread or on N, and runs repeat.
+      Python's ``random``, ``np.random`` and torch's global generator stay shared by all
+      threads: draws from them are not reproducible.
+    * At most ``room()`` batches beyond the one asked for are started (the prefetcher gives
+      its free slots, so that batches started and not handed out stay within ``depth``).
+    * A sample's error is raised, as the same exception object with a note naming the index
+      and the thread, by the ``next()`` of its batch, after every batch before it; the epoch
+      goes on with the next batch, as a ``DataLoader``'s does.
+    * Threads are started when work arrives and end after ``IDLE_S`` seconds without any, so
+      ``break``, ``close()`` or an epoch's end leaves no thread behind for long; the work of
+      an epoch that is dropped is skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.utils.data
+from torch.utils.data import DataLoader, IterableDataset
+
+from ._exceptions import add_note
+from ._torch_compat import auto_collation, index_sampler
+
+#: Seconds a loading thread waits for work before it ends.
+IDLE_S = 0.2
+
+_local = threading.local()
+_original_get_worker_info = torch.utils.data.get_worker_info
+
+
+def check_threadable(source: object, threads: object) -> int | None:
+    """``threads`` as given to ``prefetch``: None, or an int >= 1 over a map-style DataLoader.
+
+    Raises:
+        TypeError: ``threads`` is not an int, or the source is not a ``DataLoader``.
+        ValueError: ``threads`` < 1; a loader with worker processes (``num_workers > 0``: the
+            threads replace them, so build it without); an ``IterableDataset``; a DataLoader
+            subclass with its own ``__iter__`` (accelerate's, torchdata's stateful one).
+    """
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(
+            f"nostall.prefetch(threads=...) must be an int >= 1 or None (got {threads!r}); "
+            "pass e.g. threads=4"
+        )
+    if threads < 1:
+        raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
+    if not issubclass(type(source), DataLoader):
+        raise TypeError(
+            f"threads= loads a torch.utils.data.DataLoader's batches with threads; got "
+            f"{type(source).__qualname__}: pass the DataLoader itself, or leave threads out"
+        )
+    loader: DataLoader[Any] = source  # type: ignore[assignment]
+    if loader.num_workers > 0:
+        raise ValueError(
+            f"threads= loads in place of the DataLoader's worker processes, and this one was "
+            f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "
+            f"threads do its loading), or leave threads out to keep the processes"
+        )
+    why = ""
+    if isinstance(loader.dataset, IterableDataset):
+        why = "its dataset is an IterableDataset, whose items cannot be fetched by index"
+    elif type(loader).__iter__ is not DataLoader.__iter__:
+        why = f"{type(loader).__qualname__} iterates in its own way, which threads would bypass"
+    if why:
+        raise ValueError(
+            f"threads= cannot load this DataLoader: {why}; leave threads out (num_workers= "
+            "loads in processes), or build a plain DataLoader over a map-style dataset"
+        )
+    return threads
+
+
+class SampleRng:
+    """One sample's random generators, as torch's thread-worker ``WorkerInfo.rng`` holds them."""
+
+    __slots__ = ("_numpy", "random_generator", "seed", "torch_generator")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.torch_generator = torch.Generator().manual_seed(seed)
+        self.random_generator = random.Random(seed)
+        self._numpy: Any = None
+
+    @property
+    def numpy_generator(self) -> Any:
+        """A NumPy ``Generator`` seeded alike, made on first use (None without NumPy)."""
+        if self._numpy is None:
+            try:
+                import numpy as np
+            except ImportError:
+                return None
+            self._numpy = np.random.default_rng(self.seed)
+        return self._numpy
+
+
+def sample_seed(base_seed: int, position: int) -> int:
+    """The seed of the sample at ``position`` in an epoch whose base seed is ``base_seed``."""
+    mixed = (base_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    mixed ^= mixed >> 31
+    return mixed & (2**63 - 1)
+
+
+def _get_worker_info() -> Any:
+    """``get_worker_info()``: the sample's info in a loading thread, else torch's own answer."""
+    info = getattr(_local, "info", None)
+    return info if info is not None else _original_get_worker_info()
+
+
+def _install_worker_info() -> None:
+    """Make ``torch.utils.data.get_worker_info`` see the loading threads (once per process).
+
+    torch keeps one worker info per process; threads need one each. The function is replaced
+    by one that answers the thread's own info in a loading thread and torch's everywhere else;
+    ``torch.thread_safe_generator()`` looks it up there on every call.
+    """
+    if torch.utils.data.get_worker_info is not _get_worker_info:
+        torch.utils.data.get_worker_info = _get_worker_info
+
+
+class Pool:
+    """Threads running tasks in the order they were submitted; started on demand, idle ones end.
+
+    ``live`` counts the running threads; ``free_ids`` the worker ids (0 to size - 1) unused.
+    Both change only under ``lock``, as does the decision of an idle thread to end, so a task
+    submitted while a thread ends is always run.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size, self.name = size, name
+        self.tasks: collections.deque[tuple[Future[Any], Callable[[int], Any]]] = (
+            collections.deque()
+        )
+        self.lock = threading.Lock()
+        self.work = threading.Condition(self.lock)
+        self.live = 0
+        self.free_ids = list(range(size))
+
+    def submit(self, task: Callable[[int], Any]) -> Future[Any]:
+        """Queue ``task(worker_id)``; return its future."""
+        future: Future[Any] = Future()
+        with self.lock:
+            self.tasks.append((future, task))
+            if self.live < self.size:
+                self.live += 1
+                worker = self.free_ids.pop(0)
+                threading.Thread(
+                    target=self._run, args=(worker,), name=f"{self.name}-{worker}", daemon=True
+                ).start()
+            else:
+                self.work.notify()
+        return future
+
+    def _run(self, worker: int) -> None:
+        while True:
+            with self.lock:
+                if not self.tasks:
+                    self.work.wait(IDLE_S)
+                if not self.tasks:
+                    self.live -= 1
+                    self.free_ids.append(worker)
+                    self.free_ids.sort()
+                    return
+                future, task = self.tasks.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(task(worker))
+                except BaseException as e:
+                    future.set_exception(e)
+
+
+class ThreadedEpoch(Iterator[Any]):
+    """One epoch of ``loader``, its samples fetched by ``pool`` (see the module's invariants)."""
+
+    def __init__(self, loader: DataLoader[Any], pool: Pool) -> None:
+        _install_worker_info()
+        self.pool = pool
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self.auto = auto_collation(loader)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        self.getitems = getitems if self.auto and callable(getitems) else None
+        # What DataLoader.__iter__ draws, in its order: the sampler's iterator, the base seed.
+        self.indices = iter(index_sampler(loader))
+        self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
+        #: Batches beyond the one asked for that may be started now (set by the prefetcher).
+        self.room: Callable[[], int] = lambda: 0
+        self.pending: collections.deque[list[Future[Any]]] = collections.deque()
+        self.position = 0  # samples (or batches, without auto collation) started this epoch
+        self.exhausted = False
+        self.dropped = threading.Event()  # the epoch was let go: skip its queued work
+        weakref.finalize(self, self.dropped.set)
+
+    def __next__(self) -> Any:
+        if not self.pending and not self._start_next():
+            raise StopIteration
+        while not self.exhausted and len(self.pending) - 1 < self.room():
+            self._start_next()
+        futures = self.pending.popleft()
+        samples = [f.result() for f in futures]  # the first failed sample's error, if any
+        if self.auto and self.getitems is None:
+            return self.collate(samples)
+        return self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
+
+    def _start_next(self) -> bool:
+        """Queue the next batch's samples; False at the end of the sampler."""
+        if self.exhausted:
+            return False
+        try:
+            index = next(self.indices)
+        except StopIteration:
+            self.exhausted = True
+            return False
+        if self.getitems is not None or not self.auto:
+            fetch = self.getitems if self.getitems is not None else self.dataset.__getitem__
+            self.pending.append([self._submit(fetch, index)])
+        else:
+            self.pending.append([self._submit(self.dataset.__getitem__, i) for i in index])
+        return True
+
+    def _submit(self, fetch: Callable[[Any], Any], index: Any) -> Future[Any]:
+        seed = sample_seed(self.base_seed, self.position)
+        self.position += 1
+        dataset, dropped, size = self.dataset, self.dropped, self.pool.size
+
+        def task(worker: int) -> Any:
+            if dropped.is_set():
+                return None  # nobody will take it
+            info = torch.utils.data._utils.worker.WorkerInfo(
+                id=worker,
+                num_workers=size,
+                seed=seed,
+                dataset=dataset,
+                rng=SampleRng(seed),  # type: ignore[arg-type]  # duck-types torch._RNG
+                worker_method="thread",
+            )
+            _local.info = info
+            try:
+                return fetch(index)
+            except BaseException as e:
+                add_note(
+                    e,
+                    f"nostall: raised by dataset[{index!r}] in {threading.current_thread().name!r}",
+                )
+                raise
+            finally:
+                _local.info = None
+
+        return self.pool.submit(task)

@@ -1,0 +1,261 @@
+"""threads=: a DataLoader's batches loaded by threads, the same as the loader's own."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same_batches, wait_for_no_nostall_threads
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+import nostall
+from nostall._threads import sample_seed
+
+
+class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample i is (i, a draw from the sample's own generator); records what was fetched."""
+
+    def __init__(self, n: int = 40, draw: bool = True) -> None:
+        self.n, self.draw = n, draw
+        self.fetched: list[int] = []
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            self.fetched.append(i)
+        if not self.draw:
+            return torch.tensor([i]), torch.zeros(1)
+        return torch.tensor([i]), torch.rand(1, generator=torch.thread_safe_generator())
+
+
+def first_parts(batches: Any) -> list[list[int]]:
+    return [b[0].flatten().tolist() for b in batches]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda d, g: DataLoader(d, batch_size=4, shuffle=True, generator=g),
+        lambda d, g: DataLoader(d, batch_size=3, shuffle=True, drop_last=True),
+        lambda d, g: DataLoader(d, batch_size=None, shuffle=True, generator=g),
+        lambda d, g: DataLoader(d, batch_sampler=[[3, 1], [0], [7, 5, 2]]),
+    ],
+    ids=["generator", "global-rng-drop-last", "no-batching", "batch-sampler"],
+)
+def test_same_batches_and_random_draws_as_the_loader_itself(build: Any, threads: int) -> None:
+    """Two epochs: the loader's own batches, and the generators left as the loader leaves them."""
+    g = torch.Generator()
+    loader = build(Numbers(draw=False), g)  # the loop itself draws from no global generator
+    g.manual_seed(5)
+    torch.manual_seed(7)
+    expected = [first_parts(loader) for _ in range(2)]
+    after = (torch.get_rng_state(), g.get_state())
+    g.manual_seed(5)
+    torch.manual_seed(7)
+    batches = nostall.prefetch(loader, "cpu", threads=threads)
+    assert expected == [first_parts(batches) for _ in range(2)]
+    assert torch.equal(after[0], torch.get_rng_state())
+    assert torch.equal(after[1], g.get_state())
+
+
+def test_a_sample_draws_the_same_numbers_whatever_thread_or_count_loads_it() -> None:
+    """Per-sample random state: equal draws with 1 and 4 threads; a new epoch draws anew."""
+    g = torch.Generator()
+    loader = DataLoader(Numbers(), batch_size=4, shuffle=True, generator=g)
+    draws = {}
+    for threads in (1, 4):
+        g.manual_seed(3)
+        epochs = [list(nostall.prefetch(loader, "cpu", threads=threads)) for _ in range(1)]
+        draws[threads] = torch.cat([b[1] for b in epochs[0]])
+    torch.testing.assert_close(draws[1], draws[4], rtol=0, atol=0)
+    g.manual_seed(3)
+    twice = nostall.prefetch(loader, "cpu", threads=2)
+    first, second = (torch.cat([b[1] for b in twice]) for _ in range(2))
+    assert not torch.equal(first, second)  # another epoch, another base seed
+    assert sample_seed(1, 2) != sample_seed(2, 1)
+
+
+def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
+    """get_worker_info() in a loading thread: worker_method 'thread', its id and rng."""
+
+    class Info(Dataset[tuple[str, int, int]]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> tuple[str, int, int]:
+            info = torch.utils.data.get_worker_info()
+            assert info is not None
+            return info.worker_method, info.id, info.num_workers
+
+    loader = DataLoader(Info(), batch_size=None)
+    seen = list(nostall.prefetch(loader, "cpu", threads=2))
+    assert {("thread", 2)} == {(m, n) for m, _, n in seen}
+    assert {i for _, i, _ in seen} <= {0, 1}
+    assert torch.utils.data.get_worker_info() is None
+    assert torch.thread_safe_generator() is None
+
+
+def test_samples_of_one_batch_load_in_parallel() -> None:
+    """The first batch's 4 samples are fetched at once: a 4-party barrier in them passes."""
+    barrier = threading.Barrier(4, timeout=20)
+
+    class Together(Dataset[int]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            barrier.wait()  # breaks (and raises) unless 4 threads fetch at the same time
+            return i
+
+    batches = [
+        b.tolist() for b in nostall.prefetch(DataLoader(Together(), batch_size=4), "cpu", threads=4)
+    ]
+    assert [[0, 1, 2, 3]] == batches
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_threads_start_no_more_than_depth_batches_ahead(depth: int) -> None:
+    """Batches started and not yet handed out never exceed depth, checked at every fetch.
+
+    ``taken`` counts the batches the loop body got; one more may be in the middle of being
+    handed out (inside ``next()``), so batch ``taken + depth`` is the furthest allowed.
+    """
+    taken = [0]
+    too_far: list[tuple[int, int]] = []
+
+    class Watched(Dataset[int]):
+        def __len__(self) -> int:
+            return 60
+
+        def __getitem__(self, i: int) -> int:
+            if i // 3 > taken[0] + depth:
+                too_far.append((i // 3, taken[0]))
+            return i
+
+    for batch in nostall.prefetch(
+        DataLoader(Watched(), batch_size=3), "cpu", depth=depth, threads=3
+    ):
+        taken[0] += 1
+        assert batch.tolist() == list(range(3 * taken[0] - 3, 3 * taken[0]))
+    assert [] == too_far
+
+
+def test_a_sample_error_arrives_in_order_as_the_users_exception_and_the_epoch_goes_on() -> None:
+    """The batch holding a failing sample raises its exception, noted; the next batch follows."""
+    boom = ValueError("sample 5 is broken")
+
+    class Broken(Dataset[int]):
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int) -> int:
+            if i == 5:
+                raise boom
+            return i
+
+    it = iter(nostall.prefetch(DataLoader(Broken(), batch_size=3), "cpu", threads=3))
+    assert [0, 1, 2] == next(it).tolist()
+    with pytest.raises(ValueError, match="sample 5 is broken") as info:
+        next(it)
+    assert info.value is boom
+    assert any("dataset[5]" in note and "nostall-load" in note for note in boom.__notes__)
+    assert [[6, 7, 8], [9, 10, 11]] == [b.tolist() for b in it]  # as a DataLoader goes on
+
+
+@pytest.mark.parametrize("how", ["break", "close", "drop"])
+def test_break_close_and_gc_leave_no_thread(how: str) -> None:
+    """Every loading and prefetch thread ends."""
+    batches = nostall.prefetch(DataLoader(Numbers(400), batch_size=2), "cpu", threads=4)
+    it = iter(batches)
+    next(it)
+    if how == "close":
+        batches.close()
+    elif how == "drop":
+        del it, batches
+    else:
+        it.close()
+    assert [] == wait_for_no_nostall_threads(timeout=10)
+
+
+def test_set_epoch_resume_transform_and_profile_work_as_without_threads() -> None:
+    """A DistributedSampler's epochs, a mid-epoch resume, a transform and the profile."""
+    data = Numbers(24)
+
+    def build() -> Any:
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=4)
+        return DataLoader(data, batch_size=4, sampler=sampler)
+
+    plain = build()
+    expected = []
+    for epoch in range(2):
+        plain.sampler.set_epoch(epoch)
+        expected.append([b[0].flatten().add(100).tolist() for b in plain])
+    first = nostall.prefetch(
+        build(), "cpu", threads=2, transform=lambda b: [b[0] + 100, b[1]], profile=True
+    )
+    got = []
+    for epoch in range(2):
+        first.set_epoch(epoch)
+        got.append([b[0].flatten().tolist() for b in first])
+    assert expected == got
+    assert 12 == first.report().batches
+    resumed_from = nostall.prefetch(build(), "cpu", threads=2)
+    resumed_from.set_epoch(1)
+    it = iter(resumed_from)
+    next(it), next(it)
+    state = resumed_from.state_dict()
+    fresh = nostall.prefetch(build(), "cpu", threads=3)
+    fresh.load_state_dict(state)
+    assert [[x - 100 for x in b] for b in expected[1][2:]] == first_parts(fresh)
+
+
+@pytest.mark.parametrize(
+    ("source", "threads", "error", "message"),
+    [
+        (DataLoader(range(4)), "2", TypeError, "threads=...) must be an int >= 1 or None"),
+        (DataLoader(range(4)), 0, ValueError, "must be >= 1 (got 0)"),
+        ([1, 2], 2, TypeError, "got list: pass the DataLoader itself"),
+        (DataLoader(range(4), num_workers=2), 2, ValueError, "build it with num_workers=0"),
+    ],
+)
+def test_what_threads_cannot_load_is_refused_with_the_fix(
+    source: Any, threads: Any, error: type[Exception], message: str
+) -> None:
+    """Wrong types raise TypeError, wrong values ValueError, each saying what to pass."""
+    with pytest.raises(error, match=re.escape(message)):
+        nostall.prefetch(source, "cpu", threads=threads)
+
+
+def test_an_iterable_dataset_or_an_own_iter_is_refused() -> None:
+    """No index to fetch, or an iteration threads would bypass: refused, never bypassed."""
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(3))
+
+    class Own(DataLoader[Any]):
+        def __iter__(self) -> Any:
+            return super().__iter__()
+
+    with pytest.raises(ValueError, match="IterableDataset"):
+        nostall.prefetch(DataLoader(Stream()), "cpu", threads=2)
+    with pytest.raises(ValueError, match="iterates in its own way"):
+        nostall.prefetch(Own(range(3)), "cpu", threads=2)
+
+
+def test_a_dataset_with_getitems_gets_whole_batches() -> None:
+    """__getitems__ is called with a batch's indices, as the DataLoader calls it."""
+
+    class Batched(Numbers):
+        def __getitems__(self, indices: list[int]) -> list[Any]:
+            return [(torch.tensor([i]), torch.zeros(1)) for i in indices]
+
+    loader = DataLoader(Batched(10), batch_size=4)
+    assert_same_batches(list(loader), nostall.prefetch(loader, "cpu", threads=2))
