@@ -198,6 +198,30 @@ def test_the_recommendation_is_the_code_to_write() -> None:
     ]
 
 
+def test_the_recommendation_names_the_loading_threads() -> None:
+    def make_loader(num_workers=0):  # type: ignore[no-untyped-def]
+        return []
+
+    code = recommend(make_loader, Setting(0, 2, 4), torch.device("cpu"), None)
+    assert code.splitlines() == [
+        "    loader = make_loader(num_workers=0)",
+        "    for batch in nostall.prefetch(loader, 'cpu', depth=2, threads=4):",
+    ]
+
+
+def test_the_diagnosis_says_whether_threads_or_processes_loaded_faster() -> None:
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    assert diagnosis.threads_or_processes() is None  # no threads trial: nothing to compare
+    diagnosis.search.curve += [(Setting(2, 2), 180.0), (Setting(0, 2, 4), 240.0)]
+    line = diagnosis.threads_or_processes()
+    assert line is not None
+    assert "4 loading threads ran 240 samples/s, num_workers=2 180 samples/s" in line
+    assert "threads loaded faster here" in line
+    assert line in diagnosis.summary()
+    diagnosis.search.curve.append((Setting(4, 2), 300.0))
+    assert "worker processes loaded faster here" in str(diagnosis.threads_or_processes())
+
+
 def test_the_transform_is_measured_with_the_pipeline(user_module: str) -> None:
     factory = load_callable(f"{user_module}:make_loader", "factory")
     halve = load_callable(f"{user_module}:halve", "--transform")

@@ -101,7 +101,34 @@ def test_tune_finds_parallel_loading_within_max_batches() -> None:
     best_grid = max(grid.values())
     result = nostall.tune(factory, max_batches=300, device="cpu", max_workers=2)
     assert result.samples_per_s >= 0.8 * best_grid, (result, grid)  # 95% in quiet conditions
-    assert 2 == result.best.num_workers
+    assert 2 == result.best.num_workers or (result.best.threads or 0) >= 2  # loads in parallel
+
+
+def test_tune_tries_loading_threads_where_the_loader_allows_them() -> None:
+    """After the worker processes, threads=2, 4, ... over num_workers=0, measured as they run."""
+    result = nostall.tune(factory, max_batches=300, device="cpu", max_workers=1)
+    threaded = [s for s, _ in result.curve if s.threads is not None]
+    assert threaded, result.curve
+    assert all(0 == s.num_workers for s in threaded)
+    assert 2 == threaded[0].threads
+    assert "threads=2" in threaded[0].describe()
+    rate, used = measure(factory, Setting(0, 2, 2), torch.device("cpu"), batches=3)
+    assert rate > 0
+    assert 5 == used
+
+
+def test_tune_leaves_threads_out_where_the_loader_cannot_use_them() -> None:
+    """An IterableDataset has no index to fetch: no threads trial, no error."""
+
+    class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+        def __iter__(self) -> Any:
+            return (torch.zeros(4) for _ in range(10_000))
+
+    def streaming(num_workers: int = 0) -> DataLoader[torch.Tensor]:
+        return DataLoader(Stream(), batch_size=2, num_workers=num_workers)
+
+    result = nostall.tune(streaming, max_batches=60, device="cpu", max_workers=0)
+    assert all(s.threads is None for s, _ in result.curve)
 
 
 def test_tune_without_a_num_workers_knob_tunes_depth_only() -> None:

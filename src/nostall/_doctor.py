@@ -121,9 +121,28 @@ class Diagnosis:
         else:
             lines.append(f"measurably faster: {setting.describe()}, {rate}: {speedup:.2f}x yours.")
             lines.append(f"change your code to:\n{self.code}")
+        choice = self.threads_or_processes()
+        if choice is not None:
+            lines.append(choice)
         if self.bound == "compute-bound":
             lines.append("the step is the bottleneck: faster loading will not help much.")
         return "\n".join(lines)
+
+    def threads_or_processes(self) -> str | None:
+        """Which loaded faster in the search, threads or worker processes (when both ran)."""
+        threads = [(s, r) for s, r in self.search.curve if s.threads is not None]
+        processes = [(s, r) for s, r in self.search.curve if s.threads is None]
+        if not threads or not processes:
+            return None
+        (by_threads, t), (by_processes, p) = (
+            max(c, key=lambda sr: sr[1]) for c in (threads, processes)
+        )
+        faster = "threads" if t > p else "worker processes"
+        return (
+            f"threads or processes: {by_threads.threads} loading threads ran {t:,.0f} samples/s, "
+            f"num_workers={by_processes.num_workers} {p:,.0f} samples/s (one run each in the "
+            f"search): {faster} loaded faster here."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure, for ``--json``."""
@@ -310,9 +329,10 @@ def recommend(factory: Factory, setting: Setting, device: Any, transform: Any) -
             if transform is None
             else f", transform={getattr(transform, '__name__', 'transform')}"
         )
+        threads = "" if setting.threads is None else f", threads={setting.threads}"
         lines.append(
             f"    for batch in nostall.prefetch(loader, {str(device)!r}, depth={setting.depth}"
-            f"{extra}):"
+            f"{threads}{extra}):"
         )
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_device
 from ._prefetcher import prefetch
+from ._threads import check_threadable
 from ._timing import synchronize
 from ._transfer import to_device
 from ._tree import batch_size_of
@@ -40,6 +41,7 @@ class Setting:
 
     num_workers: int | None  # None: the factory's own choice (it takes no num_workers)
     depth: int | None  # None: no nostall.prefetch, batches moved in the loop
+    threads: int | None = None  # nostall.prefetch(threads=...) with num_workers=0
 
     def describe(self) -> str:
         """Plain words, as the doctor prints them."""
@@ -49,6 +51,8 @@ class Setting:
             else (f"num_workers={self.num_workers}")
         )
         feed = "no prefetcher" if self.depth is None else f"nostall.prefetch depth={self.depth}"
+        if self.threads is not None:
+            feed += f" threads={self.threads}"
         return f"{workers}, {feed}"
 
 
@@ -122,7 +126,9 @@ def measure(
     loader = build(factory, setting, device)
     feed: Iterable[Any]
     if setting.depth is not None:
-        feed = prefetch(loader, device, depth=setting.depth, transform=transform)
+        feed = prefetch(
+            loader, device, depth=setting.depth, transform=transform, threads=setting.threads
+        )
     else:
         moved = (to_device(b, device, non_blocking=device.type == "cuda") for b in loader)
         feed = moved if transform is None else (transform(b) for b in moved)
@@ -165,14 +171,16 @@ def tune(
     transform: Transform | None = None,
     on_trial: Callable[[Setting, float, int], None] | None = None,
 ) -> TuneResult:
-    """Hill-climb ``num_workers`` and prefetch depth; return the best setting and the curve.
+    """Hill-climb ``num_workers``, loading threads and depth; return the best and the curve.
 
-    Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count),
-    then the depth goes 4, 8, ... up to what the memory budget holds, each while a step
-    gains at least ``threshold`` (5%). A trial starts only while it fits in what is left of
-    ``max_batches``, so ``batches_spent <= max_batches``, with one exception: the first trial
-    always runs (a result needs one): a ``max_batches`` below ``batches_per_trial + 2`` (its
-    start-up and timed batches) spends that many anyway.
+    Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count);
+    then, where the loader can be loaded by threads (``nostall.prefetch(threads=...)`` over
+    ``num_workers=0``), threads go 2, 4, ... up to twice that budget; the best of all keeps
+    its setting while the depth goes 4, 8, ... up to what the memory budget holds. Each climb
+    goes on while a step gains at least ``threshold`` (5%). A trial starts only while it fits
+    in what is left of ``max_batches``, so ``batches_spent <= max_batches``, with one
+    exception: the first trial always runs (a result needs one): a ``max_batches`` below
+    ``batches_per_trial + 2`` (its start-up and timed batches) spends that many anyway.
 
     Args:
         factory: builds the loader; see the module docstring.
@@ -259,14 +267,35 @@ def tune(
                 return
 
     climb(Setting(workers, 2) for workers in workers_choices[1:])
+    if "num_workers" in knobs and _threadable(factory, dev):
+        # Threads climb from their own start: 2 threads need not beat the best processes.
+        previous = 0.0
+        for threads in (2**i for i in range(1, 9) if 2**i <= max(2, 2 * cores)):
+            if not affordable():
+                break
+            rate = trial(Setting(0, 2, threads))
+            if rate > best_rate:
+                best, best_rate = Setting(0, 2, threads), rate
+            if rate < previous * (1 + threshold):
+                break
+            previous = rate
     # Weighing a batch for the depth limit pulls one more: only worth it (and only within
     # max_batches) when a depth trial can follow.
     if spent + 1 + batches_per_trial + 2 <= max_batches:
         depth_limit = _depth_limit(factory, best, dev)
         spent += 1  # the batch that showed the size
-        workers = best.num_workers
-        climb(Setting(workers, 2**k) for k in range(2, 6) if 2**k <= depth_limit)
+        workers, threads = best.num_workers, best.threads
+        climb(Setting(workers, 2**k, threads) for k in range(2, 6) if 2**k <= depth_limit)
     return TuneResult(best, best_rate, curve, spent)
+
+
+def _threadable(factory: Factory, device: torch.device) -> bool:
+    """Whether the loader built with ``num_workers=0`` can be loaded by threads."""
+    try:
+        check_threadable(build(factory, Setting(0, None), device), 2)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _depth_limit(factory: Factory, setting: Setting, device: torch.device) -> int:
