@@ -1,0 +1,221 @@
+"""Loading with threads against worker processes: samples/s, first batch, memory added.
+
+Two workloads behind a realistic dataset object, 200,000 (path, label) pairs:
+
+- ``jpeg``: the bench's JPEG files (cycled), decoded with PIL, cropped as ``RandomResizedCrop``
+  does and resized to 224 x 224: native code that releases the GIL;
+- ``python``: pure-Python arithmetic in ``__getitem__`` (about 1 ms), which holds the GIL.
+
+Ways: the serial DataLoader; DataLoader ``num_workers=1..W`` (W: the cores);
+``nostall.prefetch(threads=1..2W)`` over ``num_workers=0``; torchdata.nodes
+``ParallelMapper(method="thread")`` with 1..2W threads; SPDL pipelines at concurrency 1..2W
+(when spdl is installed). Each run is a fresh process that builds the dataset, then a loader,
+and iterates one epoch without a training step (this measures loading): the time to the first
+batch, samples/s over the epoch, and the memory loading added: the peak PSS of the process and
+its children together (psutil, sampled every 20 ms) minus the PSS before the loader was built.
+
+Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|python] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from nostall.bench._workloads import JpegImages, jpeg_files
+
+PAIRS = 200_000
+
+
+class PythonWork(Dataset[tuple[torch.Tensor, int]]):
+    """Pure-Python work per sample, holding the GIL, over the same 200,000 (path, label) pairs."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        total = 0
+        for k in range(20_000):  # about 1 ms of bytecode
+            total += (k * index) % 7
+        return torch.full((3, 8, 8), total % 251, dtype=torch.uint8), index % 10
+
+
+def dataset(workload: str, cache: str | None) -> Dataset[Any]:
+    """200,000 (path, label) pairs cycling over the cached JPEG files, for either workload."""
+    files = jpeg_files(cache, 256)
+    paths = [str(files[i % len(files)]) for i in range(PAIRS)]
+    return JpegImages(paths, 224) if workload == "jpeg" else PythonWork(paths)  # type: ignore[arg-type]
+
+
+def feed(way: str, count: int, data: Dataset[Any], indices: list[int], batch: int) -> Any:
+    """The iterable each way makes of the same samples, in the same batches."""
+    if way in ("serial", "workers"):
+        workers = count if way == "workers" else 0
+        return DataLoader(data, batch_size=batch, sampler=indices, num_workers=workers)
+    if way == "nostall":
+        import nostall
+
+        loader = DataLoader(data, batch_size=batch, sampler=indices)
+        return nostall.prefetch(loader, "cpu", threads=count)
+    if way == "torchdata":
+        import torchdata.nodes as tn
+
+        node: Any = tn.ParallelMapper(
+            tn.IterableWrapper(indices), data.__getitem__, num_workers=count, method="thread"
+        )
+        node = tn.Mapper(tn.Batcher(node, batch_size=batch), default_collate)
+        return tn.Loader(node)
+    from spdl.pipeline import PipelineBuilder
+
+    builder: Any = PipelineBuilder()
+    builder = builder.add_source(indices)
+    builder = builder.pipe(data.__getitem__, concurrency=count, output_order="input")
+    builder = builder.aggregate(batch).pipe(default_collate).add_sink(3)
+    return builder.build(num_threads=count)
+
+
+def pss() -> int:
+    """PSS of this process and all its children, in bytes."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # a worker that just ended
+            total += proc.memory_full_info().pss
+    return total
+
+
+def one_run(
+    workload: str, way: str, count: int, batches: int, batch: int, cache: str | None
+) -> dict[str, float]:
+    """One epoch of one way, in this (fresh) process."""
+    torch.set_num_threads(1)
+    data = dataset(workload, cache)
+    data[0]  # the idle training process has its imports (PIL) loaded already
+    indices = list(range(batches * batch))
+    base = pss()
+    peak = [base]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], pss())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    loader = feed(way, count, data, indices, batch)
+    if way == "spdl":
+        loader.start()
+        it = iter(loader.get_iterator(timeout=120))
+    else:
+        it = iter(loader)
+    samples = len(next(it)[1])
+    first = time.perf_counter() - start
+    for _, labels in it:
+        samples += len(labels)
+    elapsed = time.perf_counter() - start
+    if way == "spdl":
+        loader.stop()
+    done.set()
+    watcher.join()
+    return {
+        "first_s": first,
+        "samples_per_s": samples / elapsed,
+        "added_mib": (peak[0] - base) / 2**20,
+    }
+
+
+def main() -> None:
+    """Run every way in fresh processes, alternating, and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=("jpeg", "python"), default="jpeg")
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--jpeg-cache", default=None)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # way:count, in a child process
+    args = parser.parse_args()
+    if args.one:
+        way, count = args.one.split(":")
+        run = one_run(
+            args.workload, way, int(count), args.batches, args.batch_size, args.jpeg_cache
+        )
+        print(json.dumps(run))
+        return
+    cores = os.cpu_count() or 1
+    ways = [("serial", 0)] + [("workers", w) for w in range(1, cores + 1)]
+    ways += [("nostall", t) for t in range(1, 2 * cores + 1)]
+    ways += [("torchdata", t) for t in range(1, 2 * cores + 1)]
+    try:
+        import spdl.pipeline  # noqa: F401
+
+        ways += [("spdl", t) for t in range(1, 2 * cores + 1)]
+    except ImportError:
+        print("spdl is not installed: no SPDL rows", file=sys.stderr)
+    results: dict[tuple[str, int], list[dict[str, float]]] = {w: [] for w in ways}
+    command = [
+        sys.executable,
+        __file__,
+        "--workload",
+        args.workload,
+        "--batches",
+        str(args.batches),
+    ]
+    command += ["--batch-size", str(args.batch_size)]
+    if args.jpeg_cache:
+        command += ["--jpeg-cache", args.jpeg_cache]
+    load = os.getloadavg()[0]
+    for _ in range(args.repeats):
+        for way, count in ways:  # alternating, a fresh process each
+            out = subprocess.run(
+                [*command, "--one", f"{way}:{count}"], capture_output=True, text=True, check=True
+            )
+            results[(way, count)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    from rich.console import Console
+    from rich.table import Table
+
+    serial = statistics.median(r["samples_per_s"] for r in results[("serial", 0)])
+    table = Table(
+        title=f"{args.workload}: {args.batches} batches of {args.batch_size}, {cores} cores, "
+        f"medians (min-max) of {args.repeats} fresh processes; load average {load:.2f} at the "
+        f"start, {os.getloadavg()[0]:.2f} at the end"
+    )
+    for column in ("way", "samples/s", "x serial", "first batch ms", "memory added MiB"):
+        table.add_column(column, justify="left" if column == "way" else "right")
+    for (way, count), runs in results.items():
+        cells = []
+        for key, scale, spec in (
+            ("samples_per_s", 1, ",.0f"),
+            ("first_s", 1e3, ".0f"),
+            ("added_mib", 1, ".0f"),
+        ):
+            values = [r[key] * scale for r in runs]
+            cells.append(
+                f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
+            )
+        speed = statistics.median(r["samples_per_s"] for r in runs) / serial
+        name = {"serial": "DataLoader serial", "workers": f"DataLoader num_workers={count}"}.get(
+            way, f"{way} {count} thread{'s' if count > 1 else ''}"
+        )
+        table.add_row(name, cells[0], f"{speed:.2f}", cells[1], cells[2])
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()
