@@ -101,9 +101,13 @@ def pss() -> int:
 
 
 def one_run(
-    workload: str, way: str, count: int, batches: int, batch: int, cache: str | None
+    workload: str, way: str, count: int, batches: int, batch: int, cache: str | None, memory: bool
 ) -> dict[str, float]:
-    """One epoch of one way, in this (fresh) process."""
+    """One epoch of one way, in this (fresh) process: timed, or with its memory sampled.
+
+    Reading PSS costs about 2 ms per process, so the runs that sample it (every 20 ms) are
+    not the runs that are timed.
+    """
     torch.set_num_threads(1)
     data = dataset(workload, cache)
     data[0]  # the idle training process has its imports (PIL) loaded already
@@ -117,7 +121,8 @@ def one_run(
             peak[0] = max(peak[0], pss())
 
     watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    if memory:
+        watcher.start()
     start = time.perf_counter()
     loader = feed(way, count, data, indices, batch)
     if way == "spdl":
@@ -133,12 +138,10 @@ def one_run(
     if way == "spdl":
         loader.stop()
     done.set()
-    watcher.join()
-    return {
-        "first_s": first,
-        "samples_per_s": samples / elapsed,
-        "added_mib": (peak[0] - base) / 2**20,
-    }
+    if memory:
+        watcher.join()
+        return {"added_mib": (peak[0] - base) / 2**20}
+    return {"first_s": first, "samples_per_s": samples / elapsed}
 
 
 def main() -> None:
@@ -149,14 +152,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jpeg-cache", default=None)
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # way:count, in a child process
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # way:count:mode, in a child process
     args = parser.parse_args()
     if args.one:
-        way, count = args.one.split(":")
-        run = one_run(
-            args.workload, way, int(count), args.batches, args.batch_size, args.jpeg_cache
+        way, count, mode = args.one.split(":")
+        measured = one_run(
+            args.workload,
+            way,
+            int(count),
+            args.batches,
+            args.batch_size,
+            args.jpeg_cache,
+            mode == "memory",
         )
-        print(json.dumps(run))
+        print(json.dumps(measured))
         return
     cores = os.cpu_count() or 1
     ways = [("serial", 0)] + [("workers", w) for w in range(1, cores + 1)]
@@ -182,11 +191,13 @@ def main() -> None:
         command += ["--jpeg-cache", args.jpeg_cache]
     load = os.getloadavg()[0]
     for _ in range(args.repeats):
-        for way, count in ways:  # alternating, a fresh process each
-            out = subprocess.run(
-                [*command, "--one", f"{way}:{count}"], capture_output=True, text=True, check=True
-            )
-            results[(way, count)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for way, count in ways:  # alternating, a fresh process each, timed then sampled
+            run: dict[str, float] = {}
+            for mode in ("speed", "memory"):
+                one = [*command, "--one", f"{way}:{count}:{mode}"]
+                out = subprocess.run(one, capture_output=True, text=True, check=True)
+                run.update(json.loads(out.stdout.strip().splitlines()[-1]))
+            results[(way, count)].append(run)
     from rich.console import Console
     from rich.table import Table
 
