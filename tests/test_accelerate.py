@@ -285,6 +285,13 @@ def test_prefetcher_given_to_prepare_warns() -> None:
         assert first == second
 
 
+def test_loading_threads_refuse_a_prepared_loader() -> None:
+    """accelerate's loader iterates in its own way (device placement, synchronised draws)."""
+    loader = Accelerator(cpu=True).prepare(DataLoader(Indexed(), batch_size=BATCH))
+    with pytest.raises(ValueError, match="iterates in its own way, which threads would bypass"):
+        nostall.prefetch(loader, "cpu", threads=2)
+
+
 # -- resuming --------------------------------------------------------------------------------------
 
 

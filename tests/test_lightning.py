@@ -207,6 +207,19 @@ def test_same_samples_and_weights_as_the_dataloader(
     assert expected.weights == actual.weights
 
 
+@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_loading_threads_train_on_what_the_dataloader_gives(sampler: str, across: bool) -> None:
+    """Lightning on nostall.prefetch(loader, threads=2): the loader's own samples and weights."""
+    expected = plain(sampler, 0)
+    actual = fit(
+        lambda: nostall.prefetch(make_loader(0, sampler), "cpu", across_epochs=across, threads=2)
+    )
+    for epoch in range(EPOCHS):
+        assert expected.seen[epoch] == actual.seen.get(epoch), f"epoch {epoch}"
+    assert expected.weights == actual.weights
+
+
 def test_seed_everything_workers_reaches_the_dataloader() -> None:
     """With seed_everything(workers=True), Lightning sets the loader's worker_init_fn.
 

@@ -216,6 +216,17 @@ def test_set_epoch_resume_transform_and_profile_work_as_without_threads() -> Non
     assert [[x - 100 for x in b] for b in expected[1][2:]] == first_parts(fresh)
 
 
+def test_across_epochs_opens_each_epoch_as_the_loader_would() -> None:
+    """across_epochs: each epoch's shuffle is the one the loader's own loop draws."""
+    g = torch.Generator()
+    loader = DataLoader(Numbers(draw=False), batch_size=5, shuffle=True, generator=g)
+    g.manual_seed(9)
+    expected = [first_parts(loader) for _ in range(3)]
+    g.manual_seed(9)
+    batches = nostall.prefetch(loader, "cpu", threads=2, across_epochs=True)
+    assert expected == [first_parts(batches) for _ in range(3)]
+
+
 @pytest.mark.parametrize(
     ("source", "threads", "error", "message"),
     [

@@ -226,6 +226,17 @@ def test_dataloader_source(sim: Simulation, workers: int) -> None:
     assert sim.hazards == []
 
 
+def test_loading_threads_across_epochs_with_a_transform(sim: Simulation) -> None:
+    """threads=: batches the threads made cross on the copy stream like any other."""
+    loader = torch.utils.data.DataLoader(torch.arange(96.0).reshape(24, 4), batch_size=4)
+    p = nostall.prefetch(
+        loader, "cuda", threads=3, across_epochs=True, transform=T.ToDtype(torch.float16)
+    )
+    got = _consume(sim, p, "side") + _consume(sim, p)
+    _same(got, _expected([b.half() for b in loader]) * 2)
+    assert sim.hazards == []
+
+
 def test_resume_mid_epoch(sim: Simulation) -> None:
     data = _images(8)
     p = nostall.prefetch(data, "cuda", transform=T.RandomHorizontalFlip(seed=3))

@@ -70,12 +70,12 @@ def check_threadable(source: object, threads: object) -> int | None:
         )
     if threads < 1:
         raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
-    if not issubclass(type(source), DataLoader):
+    if not isinstance(source, DataLoader):  # accelerate's loaders claim the class: see below
         raise TypeError(
             f"threads= loads a torch.utils.data.DataLoader's batches with threads; got "
             f"{type(source).__qualname__}: pass the DataLoader itself, or leave threads out"
         )
-    loader: DataLoader[Any] = source  # type: ignore[assignment]
+    loader: DataLoader[Any] = source
     if loader.num_workers > 0:
         raise ValueError(
             f"threads= loads in place of the DataLoader's worker processes, and this one was "
@@ -85,7 +85,9 @@ def check_threadable(source: object, threads: object) -> int | None:
     why = ""
     if isinstance(loader.dataset, IterableDataset):
         why = "its dataset is an IterableDataset, whose items cannot be fetched by index"
-    elif type(loader).__iter__ is not DataLoader.__iter__:
+    elif (
+        not issubclass(type(loader), DataLoader) or type(loader).__iter__ is not DataLoader.__iter__
+    ):
         why = f"{type(loader).__qualname__} iterates in its own way, which threads would bypass"
     if why:
         raise ValueError(
