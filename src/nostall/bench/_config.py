@@ -1,7 +1,6 @@
 """The bench's settings, and the ``nostall bench`` flags generated from them.
 
-Each field of :class:`BenchConfig` carries its help and its command-line parser, so that a new
-knob is one field: its flag (``--io-share`` for ``io_share``), help and default follow.
+Each field carries its help and parser: a new knob is one field (``io_share``: ``--io-share``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ CUDA, persistent). Peers are imported lazily, skipped when missing (the ``peers`
 from __future__ import annotations
 
 import importlib.util
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -130,9 +131,14 @@ TORCHDATA = Contender("torchdata.nodes", _torchdata_nodes, "torchdata", prefetch
 LOOKAHEAD = Contender("timm-style lookahead", _lookahead, cuda_only=True)
 NOSTALL = Contender("nostall", lambda s, d, n: prefetch(s.serial, d, depth=n), prefetcher=True)
 NOSTALL_WORKERS = Contender("nostall + workers", lambda s, d, n: prefetch(s.workers, d, depth=n))
+THREADS = os.cpu_count() or 1  # loading threads, one per core
+NOSTALL_THREADS = Contender(
+    f"nostall threads={THREADS}", lambda s, d, n: prefetch(s.serial, d, depth=n, threads=THREADS)
+)
 
 #: Every contender, in the order tables list them.
-ALL = (SERIAL, BEST, SEED, PREFETCH_GENERATOR, TORCHDATA, LOOKAHEAD, NOSTALL, NOSTALL_WORKERS)
+ALL: tuple[Contender, ...] = (SERIAL, BEST, SEED, PREFETCH_GENERATOR, TORCHDATA, LOOKAHEAD)
+ALL += (NOSTALL, NOSTALL_WORKERS, NOSTALL_THREADS)
 
 
 def chosen(names: tuple[str, ...], device: torch.device) -> list[Contender]:

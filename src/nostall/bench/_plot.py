@@ -23,7 +23,7 @@ def write_plot(result: BenchResult, path: str | Path) -> None:
     settings = result.settings("synthetic")
     ratios = [float(s) for s in settings]
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    strong = iter(("tab:red", "tab:blue"))
+    strong = iter(("tab:red", "tab:blue", "tab:green"))
     for name in result.contenders("synthetic"):
         stats = [result.stat("synthetic", s, name, "speedup") for s in settings]
         if not all(stats):

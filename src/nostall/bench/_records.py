@@ -1,7 +1,6 @@
 """What a bench run records (one tidy row per measured value) and the one aggregation over it.
 
-Every figure the report, the chart and ``--json`` show is a :class:`Stat` of the records that
-share a trial, a setting, a contender and a metric: their median and their spread (min-max).
+Every figure shown is a :class:`Stat` (median, min-max) of the records sharing a key.
 """
 
 from __future__ import annotations

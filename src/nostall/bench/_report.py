@@ -2,8 +2,7 @@
 
 Every figure is a median with its spread (min-max) over the repeats or the timed blocks. A
 ratio is called a gain or a cost only when its whole spread lies on one side of 1. The checks
-are claims that hold on any machine for a sound install, so that a failure points at the
-product or the install, not at a noisy machine.
+hold on any machine for a sound install: a failure points at the product, not the machine.
 """
 
 from __future__ import annotations

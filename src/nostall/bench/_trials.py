@@ -31,10 +31,7 @@ Step = Callable[[Any], float]
 
 
 def _micro(result: BenchResult, key: tuple[str, str, str], stmt: str, **scope: Any) -> list[float]:
-    """Seconds per run of ``stmt``, one per block timed by ``blocked_autorange``.
-
-    ``key`` (label, setting, contender) names it in ``Compare``, which gets the measurement.
-    """
+    """Seconds per run of ``stmt`` for each block ``blocked_autorange`` timed (kept for Compare)."""
     label, setting, who = key
     threads = torch.get_num_threads()
     names: dict[str, Any] = {"label": label, "sub_label": who, "description": setting}

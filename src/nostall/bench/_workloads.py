@@ -25,8 +25,7 @@ from torch.utils.data import Dataset
 def hash_bytes_per_ms() -> float:
     """Bytes ``hashlib.sha256`` digests per millisecond here, in one thread.
 
-    Hashing stands in for decoding: native code that releases the GIL, as decoders do, and
-    costs the same in the main thread, a helper thread or a worker process.
+    Hashing stands in for decoding: native code that releases the GIL, as decoders do.
     """
     buffer = bytes(1 << 20)
     best = min(timeit.repeat(lambda: hashlib.sha256(buffer).digest(), number=1, repeat=5))
