@@ -220,6 +220,9 @@ def test_the_diagnosis_says_whether_threads_or_processes_loaded_faster() -> None
     assert line in diagnosis.summary()
     diagnosis.search.curve.append((Setting(4, 2), 300.0))
     assert "worker processes loaded faster here" in str(diagnosis.threads_or_processes())
+    only_threads = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    only_threads.search.curve += [(Setting(0, 2, 2), 180.0), (Setting(2, 8), 400.0)]
+    assert only_threads.threads_or_processes() is None  # num_workers=0, or another depth
 
 
 def test_the_transform_is_measured_with_the_pipeline(user_module: str) -> None:

@@ -12,7 +12,8 @@ from helpers import assert_same_batches, wait_for_no_nostall_threads
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
-from nostall._threads import sample_seed
+from nostall._epochs import EpochSource, skip_ahead
+from nostall._threads import Pool, ThreadedEpoch, sample_seed
 
 
 class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -31,7 +32,9 @@ class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self.fetched.append(i)
         if not self.draw:
             return torch.tensor([i]), torch.zeros(1)
-        return torch.tensor([i]), torch.rand(1, generator=torch.thread_safe_generator())
+        info = torch.utils.data.get_worker_info()  # the sample's own rng in a loading thread
+        generator = None if info is None else info.rng.torch_generator
+        return torch.tensor([i]), torch.rand(1, generator=generator)
 
 
 def first_parts(batches: Any) -> list[list[int]]:
@@ -79,7 +82,103 @@ def test_a_sample_draws_the_same_numbers_whatever_thread_or_count_loads_it() -> 
     twice = nostall.prefetch(loader, "cpu", threads=2)
     first, second = (torch.cat([b[1] for b in twice]) for _ in range(2))
     assert not torch.equal(first, second)  # another epoch, another base seed
-    assert sample_seed(1, 2) != sample_seed(2, 1)
+    assert len({sample_seed(1, 2, 0), sample_seed(2, 1, 0), sample_seed(1, 0, 2)}) == 3
+
+
+def test_thread_safe_generator_gives_the_samples_own_generator() -> None:
+    """torch.thread_safe_generator() in a loading thread is the sample's generator."""
+    if not hasattr(torch, "thread_safe_generator"):
+        pytest.skip("this torch has no torch.thread_safe_generator()")
+
+    class Draws(Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            generator = torch.thread_safe_generator()
+            assert generator is torch.utils.data.get_worker_info().rng.torch_generator
+            return torch.rand(1, generator=generator)
+
+    draws = []
+    for threads in (1, 3):
+        torch.manual_seed(0)  # the base seed comes from the global generator here
+        loader = DataLoader(Draws(), batch_size=2)
+        draws.append(list(nostall.prefetch(loader, "cpu", threads=threads)))
+    torch.testing.assert_close(torch.cat(draws[0]), torch.cat(draws[1]), rtol=0, atol=0)
+
+
+def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew() -> None:
+    """Per-sample random state follows the sample's place in the epoch, across a resume."""
+    g = torch.Generator()
+
+    def build() -> Any:
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, generator=g)
+
+    g.manual_seed(2)
+    whole = list(nostall.prefetch(build(), "cpu", threads=2))
+    g.manual_seed(2)
+    first = nostall.prefetch(build(), "cpu", threads=2)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    resumed = nostall.prefetch(build(), "cpu", threads=3)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert first_parts(whole[2:]) == first_parts(rest)
+    torch.testing.assert_close(
+        torch.cat([b[1] for b in whole[2:]]), torch.cat([b[1] for b in rest])
+    )
+
+
+def test_look_ahead_follows_the_room_it_is_given() -> None:
+    """An epoch starts as many batches ahead as room() allows, no more."""
+    pool = Pool(2, "nostall-load")
+    for room in (0, 2):
+        epoch = ThreadedEpoch(DataLoader(list(range(20)), batch_size=2), pool, lambda r=room: r)
+        assert [0, 1] == next(epoch).tolist()
+        assert room == len(epoch.pending)
+
+
+def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
+    """After a resume the epoch still looks ahead, and numbers its batches from where it was."""
+    loader = DataLoader(list(range(20)), batch_size=2)
+    epochs = EpochSource(loader, False, None, threads=2)
+    epochs.room = lambda: 3
+    resumed = skip_ahead(loader, 2, epochs._iterate)
+    assert isinstance(resumed, ThreadedEpoch)
+    assert (2, 3) == (resumed.batch, resumed.room())
+    assert [4, 5] == next(resumed).tolist()
+
+
+def test_a_sampler_error_comes_after_the_batches_before_it() -> None:
+    """The batch sampler's own error in its place, then the epoch ends, as a DataLoader's."""
+    failure = RuntimeError("the sampler broke")
+
+    class Breaks:
+        def __iter__(self) -> Any:
+            yield from ([0, 1], [2, 3], [4, 5])
+            raise failure
+
+        def __len__(self) -> int:
+            return 4
+
+    def run(batches: Any) -> list[Any]:
+        out: list[Any] = []
+        it = iter(batches)
+        while True:
+            try:
+                out.append(next(it).tolist())
+            except StopIteration:
+                return out
+            except RuntimeError as e:
+                out.append(str(e))
+                if len(out) > 6:
+                    return out
+
+    loader = DataLoader(list(range(6)), batch_sampler=Breaks())
+    expected = run(loader)
+    assert expected == [[0, 1], [2, 3], [4, 5], "the sampler broke"]
+    assert expected == run(nostall.prefetch(loader, "cpu", depth=3, threads=2))
 
 
 def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
@@ -99,7 +198,8 @@ def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
     assert {("thread", 2)} == {(m, n) for m, _, n in seen}
     assert {i for _, i, _ in seen} <= {0, 1}
     assert torch.utils.data.get_worker_info() is None
-    assert torch.thread_safe_generator() is None
+    if hasattr(torch, "thread_safe_generator"):  # torch releases that have it
+        assert torch.thread_safe_generator() is None
 
 
 def test_samples_of_one_batch_load_in_parallel() -> None:

@@ -129,9 +129,13 @@ class Diagnosis:
         return "\n".join(lines)
 
     def threads_or_processes(self) -> str | None:
-        """Which loaded faster in the search, threads or worker processes (when both ran)."""
-        threads = [(s, r) for s, r in self.search.curve if s.threads is not None]
-        processes = [(s, r) for s, r in self.search.curve if s.threads is None]
+        """Which loaded faster in the search, threads or worker processes (when both ran).
+
+        Both at the search's first depth (2), worker processes meaning ``num_workers > 0``.
+        """
+        curve = [(s, r) for s, r in self.search.curve if s.depth == 2]
+        threads = [(s, r) for s, r in curve if s.threads is not None]
+        processes = [(s, r) for s, r in curve if s.threads is None and (s.num_workers or 0) > 0]
         if not threads or not processes:
             return None
         (by_threads, t), (by_processes, p) = (

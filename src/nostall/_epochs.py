@@ -139,15 +139,17 @@ class _SkipFirst:
 
 
 def skip_ahead(
-    source: Iterable[Any], count: int, iterate: Callable[[Any], Iterator[Any]] = iter
+    source: Iterable[Any],
+    count: int,
+    iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: iter(loader),
 ) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
     A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
     so that the user's loader is untouched; anything else is pulled and dropped. (A loader with
     persistent workers keeps one iterator, and its draws, across epochs: a copy would make its
-    next epoch draw differently, so it is pulled too.) ``iterate`` makes an epoch's iterator
-    (``threads=``: a :class:`~nostall._threads.ThreadedEpoch`).
+    next epoch draw differently, so it is pulled too.) ``iterate(loader, skipped)`` makes an
+    epoch's iterator (``threads=``: a :class:`~nostall._threads.ThreadedEpoch`).
     """
     # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
     # but iterate a loader of their own, which a copy's sampler would not reach.
@@ -161,8 +163,8 @@ def skip_ahead(
             clone = copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
         else:
             clone = copy_loader(source, sampler=_SkipFirst(source.sampler, count))
-        return iterate(clone)
-    it = iterate(source)
+        return iterate(clone, count)
+    it = iterate(source, 0)
     for _ in range(count):
         try:
             next(it)
@@ -198,6 +200,8 @@ class EpochSource:
         self.source = source
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on.
         self.pool = None if threads is None else Pool(threads, "nostall-load")
+        #: Batches a threaded epoch may start ahead: the current channel's free slots.
+        self.room: Callable[[], int] = lambda: 0
         self.across_epochs = across_epochs
         #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
         self.mirror = mirror
@@ -210,9 +214,11 @@ class EpochSource:
         self.resume: dict[str, Any] | None = None
         self.captures: dict[int, dict[str, Any]] = {}
 
-    def _iterate(self, loader: Any) -> Iterator[Any]:
+    def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
-        return iter(loader) if self.pool is None else ThreadedEpoch(loader, self.pool)
+        if self.pool is None:
+            return iter(loader)
+        return ThreadedEpoch(loader, self.pool, lambda: self.room(), skipped)
 
     @property
     def iterable(self) -> Iterable[Any]:

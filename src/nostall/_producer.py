@@ -26,7 +26,6 @@ from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
 from ._staging import Staged, Staging
-from ._threads import ThreadedEpoch
 
 #: How long interpreter exit waits, in all, for live producers to stop (seconds).
 EXIT_JOIN_S = 2.0
@@ -74,6 +73,8 @@ class Puller:
         channel.phase = lambda: "ended" if (puller := me()) is None else puller.phase
         self.staging = staging
         self.epochs = epochs
+        # A threaded epoch starts batches ahead only into this channel's free slots.
+        epochs.room = channel.free_slots
         #: The source's iterator for ``epoch``; None between epochs and once finished.
         self.batches: Any = None
         self.epoch = epoch  # the epoch being pulled
@@ -111,13 +112,7 @@ class Puller:
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
         self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
-        self._give_room()
         self.expected = self.epochs.length()
-
-    def _give_room(self) -> None:
-        """Let a threaded epoch start as many batches ahead as the channel has free slots."""
-        if isinstance(self.batches, ThreadedEpoch):
-            self.batches.room = self.channel.free_slots
 
     # -- either thread, holding pull_lock ------------------------------------------------------
 
@@ -141,7 +136,6 @@ class Puller:
                 self.batches, self.pulled = epochs.open(epoch, forward=False)
             except BaseException as e:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
-            self._give_room()
             self.expected = epochs.length()
         index = self.pulled
         self.phase = f"next(source) for batch {index}"

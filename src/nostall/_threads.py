@@ -13,13 +13,16 @@ Invariants:
       threads on one batch at once: the first batch arrives after about a batch of work
       divided by N, not after N competing batches.
     * Each sample is fetched with its own random state, seeded from the epoch's base seed and
-      the sample's position in the epoch: ``torch.thread_safe_generator()`` (and
+      the sample's place in the epoch (its batch, and its place in the batch: a resumed epoch
+      gives the same seeds): ``torch.thread_safe_generator()`` (and
       ``torch.utils.data.get_worker_info().rng``) give it in the loading threads, so an
       augmentation drawn from it does not depend on the thread or on N, and runs repeat.
       Python's ``random``, ``np.random`` and torch's global generator stay shared by all
       threads: draws from them are not reproducible.
     * At most ``room()`` batches beyond the one asked for are started (the prefetcher gives
       its free slots, so that batches started and not handed out stay within ``depth``).
+    * An error of the sampler itself comes after the batches it drew before it, as the
+      DataLoader's does, and ends the epoch.
     * A sample's error is raised, as the same exception object with a note naming the index
       and the thread, by the ``next()`` of its batch, after every batch before it; the epoch
       goes on with the next batch, as a ``DataLoader``'s does.
@@ -120,9 +123,12 @@ class SampleRng:
         return self._numpy
 
 
-def sample_seed(base_seed: int, position: int) -> int:
-    """The seed of the sample at ``position`` in an epoch whose base seed is ``base_seed``."""
-    mixed = (base_seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+def sample_seed(base_seed: int, batch: int, within: int) -> int:
+    """The seed of sample ``within`` of batch ``batch`` in an epoch of base seed ``base_seed``."""
+    mixed = (
+        base_seed * 0x9E3779B97F4A7C15 + batch * 0xBF58476D1CE4E5B9 + within * 0x94D049BB133111EB
+    )
+    mixed &= 2**64 - 1
     mixed ^= mixed >> 31
     return mixed & (2**63 - 1)
 
@@ -198,7 +204,14 @@ class Pool:
 class ThreadedEpoch(Iterator[Any]):
     """One epoch of ``loader``, its samples fetched by ``pool`` (see the module's invariants)."""
 
-    def __init__(self, loader: DataLoader[Any], pool: Pool) -> None:
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        pool: Pool,
+        room: Callable[[], int] = lambda: 0,
+        first_batch: int = 0,
+    ) -> None:
+        """``room()``: batches that may be started ahead; ``first_batch``: the batches skipped."""
         _install_worker_info()
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
@@ -208,10 +221,9 @@ class ThreadedEpoch(Iterator[Any]):
         # What DataLoader.__iter__ draws, in its order: the sampler's iterator, the base seed.
         self.indices = iter(index_sampler(loader))
         self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
-        #: Batches beyond the one asked for that may be started now (set by the prefetcher).
-        self.room: Callable[[], int] = lambda: 0
+        self.room = room
         self.pending: collections.deque[list[Future[Any]]] = collections.deque()
-        self.position = 0  # samples (or batches, without auto collation) started this epoch
+        self.batch = first_batch  # the number in the epoch of the next batch started
         self.exhausted = False
         self.dropped = threading.Event()  # the epoch was let go: skip its queued work
         weakref.finalize(self, self.dropped.set)
@@ -236,16 +248,25 @@ class ThreadedEpoch(Iterator[Any]):
         except StopIteration:
             self.exhausted = True
             return False
+        except Exception as e:  # the sampler's own error: in its place, and the epoch ends
+            self.exhausted = True
+            failed: Future[Any] = Future()
+            failed.set_exception(e)
+            self.pending.append([failed])
+            return True
+        batch, self.batch = self.batch, self.batch + 1
         if self.getitems is not None or not self.auto:
             fetch = self.getitems if self.getitems is not None else self.dataset.__getitem__
-            self.pending.append([self._submit(fetch, index)])
+            self.pending.append([self._submit(fetch, index, batch, 0)])
         else:
-            self.pending.append([self._submit(self.dataset.__getitem__, i) for i in index])
+            fetch = self.dataset.__getitem__
+            self.pending.append([self._submit(fetch, i, batch, k) for k, i in enumerate(index)])
         return True
 
-    def _submit(self, fetch: Callable[[Any], Any], index: Any) -> Future[Any]:
-        seed = sample_seed(self.base_seed, self.position)
-        self.position += 1
+    def _submit(
+        self, fetch: Callable[[Any], Any], index: Any, batch: int, within: int
+    ) -> Future[Any]:
+        seed = sample_seed(self.base_seed, batch, within)
         dataset, dropped, size = self.dataset, self.dropped, self.pool.size
 
         def task(worker: int) -> Any:
