@@ -150,6 +150,27 @@ def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
     assert [4, 5] == next(resumed).tolist()
 
 
+def test_the_look_ahead_never_asks_the_sampler_past_its_length() -> None:
+    """Taking len(loader) batches, as Lightning does, never exhausts the sampler's iterator."""
+    asked_past_end = []
+
+    class Counted:
+        def __iter__(self) -> Any:
+            yield from ([0, 1], [2, 3], [4, 5])
+            asked_past_end.append(True)  # runs only when asked for a fourth batch
+
+        def __len__(self) -> int:
+            return 3
+
+    loader = DataLoader(list(range(6)), batch_sampler=Counted())
+    it = iter(nostall.prefetch(loader, "cpu", depth=8, threads=2))
+    assert [[0, 1], [2, 3], [4, 5]] == [next(it).tolist() for _ in range(len(loader))]
+    assert [] == asked_past_end
+    with pytest.raises(StopIteration):
+        next(it)  # asked for: now the sampler is asked, as a DataLoader's would be
+    assert [True] == asked_past_end
+
+
 def test_a_sampler_error_comes_after_the_batches_before_it() -> None:
     """The batch sampler's own error in its place, then the epoch ends, as a DataLoader's."""
     failure = RuntimeError("the sampler broke")

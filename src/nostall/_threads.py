@@ -23,6 +23,10 @@ Invariants:
       its free slots, so that batches started and not handed out stay within ``depth``).
     * An error of the sampler itself comes after the batches it drew before it, as the
       DataLoader's does, and ends the epoch.
+    * The look-ahead never asks the sampler past its ``len()``: asking for the end has effects
+      (a ``RandomSampler`` draws once more from the loader's generator), and frameworks that
+      take ``len(loader)`` batches (Lightning) never ask for it. Only a ``next()`` that finds
+      nothing started asks for more.
     * A sample's error is raised, as the same exception object with a note naming the index
       and the thread, by the ``next()`` of its batch, after every batch before it; the epoch
       goes on with the next batch, as a ``DataLoader``'s does.
@@ -219,11 +223,14 @@ class ThreadedEpoch(Iterator[Any]):
         getitems = getattr(self.dataset, "__getitems__", None)
         self.getitems = getitems if self.auto and callable(getitems) else None
         # What DataLoader.__iter__ draws, in its order: the sampler's iterator, the base seed.
-        self.indices = iter(index_sampler(loader))
+        sampler = index_sampler(loader)
+        self.indices = iter(sampler)
         self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
         self.room = room
         self.pending: collections.deque[list[Future[Any]]] = collections.deque()
         self.batch = first_batch  # the number in the epoch of the next batch started
+        #: Batches in the epoch, when the sampler says (the look-ahead stops there).
+        self.length = first_batch + len(sampler) if hasattr(sampler, "__len__") else None
         self.exhausted = False
         self.dropped = threading.Event()  # the epoch was let go: skip its queued work
         weakref.finalize(self, self.dropped.set)
@@ -231,7 +238,11 @@ class ThreadedEpoch(Iterator[Any]):
     def __next__(self) -> Any:
         if not self.pending and not self._start_next():
             raise StopIteration
-        while not self.exhausted and len(self.pending) - 1 < self.room():
+        while (
+            not self.exhausted
+            and len(self.pending) - 1 < self.room()
+            and (self.length is None or self.batch < self.length)
+        ):
             self._start_next()
         futures = self.pending.popleft()
         samples = [f.result() for f in futures]  # the first failed sample's error, if any
