@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import settle, wait_until
 
+import nostall
 from nostall import PrefetchTimeoutError
 from nostall._channel import BATCH, END, ERROR, FAILED, Channel
 from nostall._epochs import EpochSource
@@ -181,3 +182,45 @@ def test_stop_all_producers_stops_live_threads() -> None:
     stop_all_producers(timeout=10.0)
     assert puller.channel.thread is not None
     assert not puller.channel.thread.is_alive()
+
+
+def test_a_pull_the_consumer_made_meanwhile_closes_the_gate_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The producer saw the gate open for the last batch; the consumer pulled it itself first.
+
+    The producer must not then ask the source past its length (a RandomSampler would draw once
+    more from the loader's generator, and the next epoch's order would change under a
+    framework that takes len() batches and never asks for the end). This forces that
+    interleaving, which a loaded machine produced now and then.
+    """
+    asked_past_end: list[bool] = []
+
+    class Counted:
+        def __len__(self) -> int:
+            return 3
+
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            yield from (torch.tensor([i]) for i in range(3))
+            asked_past_end.append(True)
+
+    consumer_pulled_last, producer_held = threading.Event(), threading.Event()
+    original = Puller.wait_at_gate
+
+    def slow_gate(self: Puller) -> bool:
+        open_now = original(self)
+        if self.expected is not None and self.pulled == self.expected - 1:
+            producer_held.set()  # it saw the gate open for the last batch, and is held up
+            consumer_pulled_last.wait(10)
+        return open_now
+
+    monkeypatch.setattr(Puller, "wait_at_gate", slow_gate)
+    it = iter(nostall.prefetch(Counted(), "cpu", depth=1))
+    got = [next(it).tolist() for _ in range(2)]
+    assert producer_held.wait(10)
+    got.append(next(it).tolist())  # nothing queued: the consumer pulls the last batch itself
+    consumer_pulled_last.set()
+    settle()
+    assert [[0], [1], [2]] == got
+    assert [] == asked_past_end
+    it.close()

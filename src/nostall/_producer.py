@@ -317,6 +317,12 @@ def produce(puller: Puller) -> None:
                     channel.give_back()  # the slot taken for a pull that will not happen
                     paused = True
                     return
+                if not puller.gate_open():
+                    # The consumer pulled the last batch asked for itself since the gate was
+                    # seen open: asking the source past it would have effects (a sampler's
+                    # draw at its end), so wait at the gate again.
+                    channel.give_back()
+                    continue
                 message = puller.pull()
                 channel.put(message)
             kind = message[0]
