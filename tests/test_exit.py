@@ -279,3 +279,17 @@ def test_ctrl_c_anywhere_in_next_stops_the_iteration() -> None:
     assert 0 == done.returncode, done.stderr
     assert "thread start closed: True" in done.stdout, done.stdout
     assert "still alive" not in done.stdout, done.stdout
+
+
+def test_exit_waits_for_every_tracked_thread() -> None:
+    """A thread still finishing when exit comes is joined (within the deadline), not cut off."""
+    import threading
+
+    from nostall._exit import join_tracked, track
+
+    release = threading.Event()
+    thread = track(threading.Thread(target=release.wait, args=(30,), daemon=True))
+    thread.start()
+    threading.Timer(0.2, release.set).start()
+    join_tracked(time.monotonic() + 30)
+    assert not thread.is_alive()

@@ -35,6 +35,7 @@ from ._exceptions import (
     add_note,
     is_noted,
 )
+from ._exit import track
 from ._lineage import Lineage, check_not_forked
 from ._producer import Puller, produce
 from ._resume import AS_BUILT
@@ -336,11 +337,13 @@ class PrefetchIterator(Iterator[T]):
         # Start this thread's intra-op pool now, with its own count: the producer sets one
         # thread for itself, and a pool started after that would read its count (1).
         self._threads = torch.get_num_threads()
-        thread = threading.Thread(
-            target=produce,
-            args=(puller,),
-            name=f"nostall-prefetch-{next(_THREAD_IDS)}",
-            daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
+        thread = track(
+            threading.Thread(
+                target=produce,
+                args=(puller,),
+                name=f"nostall-prefetch-{next(_THREAD_IDS)}",
+                daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
+            )
         )
         puller.channel.thread = thread
         self._lineage.thread = thread

@@ -25,6 +25,7 @@ from typing import Any
 from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
+from ._exit import join_tracked, track
 from ._staging import Staged, Staging
 
 #: How long interpreter exit waits, in all, for live producers to stop (seconds).
@@ -343,15 +344,12 @@ _live: set[Puller] = set()
 
 
 def stop_all_producers(timeout: float = EXIT_JOIN_S) -> None:
-    """Ask every live producer to stop and wait up to ``timeout`` seconds in all for them."""
-    pullers = list(_live)
-    for puller in pullers:
+    """Ask every live producer to stop; wait up to ``timeout`` s for every nostall thread."""
+    for puller in list(_live):
         puller.channel.stop.set()
-    deadline = time.monotonic() + timeout
-    for puller in pullers:
-        thread = puller.channel.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
+        if puller.channel.thread is not None:
+            track(puller.channel.thread)
+    join_tracked(time.monotonic() + timeout)
 
 
 def join_quietly(thread: threading.Thread | None, timeout: float) -> bool:

@@ -50,6 +50,7 @@ import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._exceptions import add_note
+from ._exit import track
 from ._torch_compat import auto_collation, index_sampler
 
 #: Seconds a loading thread waits for work before it ends.
@@ -180,9 +181,9 @@ class Pool:
             if self.live < self.size:
                 self.live += 1
                 worker = self.free_ids.pop(0)
-                threading.Thread(
-                    target=self._run, args=(worker,), name=f"{self.name}-{worker}", daemon=True
-                ).start()
+                name = f"{self.name}-{worker}"
+                thread = threading.Thread(target=self._run, args=(worker,), name=name, daemon=True)
+                track(thread).start()  # interpreter exit waits for it
             else:
                 self.work.notify()
         return future
