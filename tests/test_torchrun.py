@@ -7,6 +7,7 @@ and end with the same weights (gloo's allreduce of two ranks is deterministic).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -97,3 +98,44 @@ def test_killed_mid_epoch_and_resumed_matches_uninterrupted(
     assert reference.keys() == resumed.keys()
     for name in reference:  # bit for bit
         assert torch.equal(reference[name], resumed[name]), (name, reference[name], resumed[name])
+
+
+LOADING_THREADS_RUN = """
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader
+import nostall
+dist.init_process_group("gloo")
+loader = DataLoader(list(range(40)), batch_size=4, shuffle=True,
+                    generator=torch.Generator().manual_seed(0))
+batches = nostall.prefetch(loader, "cpu", shard=True, threads=2)
+seen = {}
+for epoch in range(2):
+    batches.set_epoch(epoch)
+    seen[epoch] = [int(x) for b in batches for x in b]
+out = [None] * dist.get_world_size()
+dist.all_gather_object(out, seen)
+if dist.get_rank() == 0:
+    print("SEEN", out)
+dist.destroy_process_group()
+"""
+
+
+def test_loading_threads_with_shard_give_each_rank_its_part(tmp_path: Path) -> None:
+    """torchrun, two ranks, threads=2 and shard=True: disjoint parts covering the data."""
+    script = tmp_path / "run.py"
+    script.write_text(LOADING_THREADS_RUN)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert 0 == done.returncode, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
+    ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0
+    for epoch in range(2):
+        first, second = (set(r[epoch]) for r in ranks)
+        assert not first & second
+        assert set(range(40)) == first | second
+    assert ranks[0][0] != ranks[0][1]  # set_epoch reached the sampler
