@@ -6,11 +6,19 @@ first, and the version pin says when they were last checked.
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data._utils import signal_handling
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from nostall._torch_compat import CHECKED_TORCH, copy_loader, live_iterator
+import nostall
+from nostall._torch_compat import CHECKED_TORCH, copy_loader, dead_workers_behind, live_iterator
 
 
 def test_the_installed_torch_is_one_these_internals_were_checked_on() -> None:
@@ -56,3 +64,96 @@ def test_a_copy_leaves_the_original_its_workers() -> None:
     assert live_iterator(clone) is None
     assert live_iterator(loader) is workers
     workers._shutdown_workers()  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def no_sigchld_handler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Without torch's SIGCHLD handler: the bare error is what is under test.
+
+    The handler would raise its own account of a worker's death into the main thread.
+    """
+    monkeypatch.setattr(signal_handling, "_set_SIGCHLD_handler", lambda: None)
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGCHLD, previous)
+
+
+def _kill_workers(it: Any) -> None:
+    """SIGKILL the iterator's workers and reap them."""
+    for worker in it._workers:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+
+
+@pytest.mark.usefixtures("no_sigchld_handler")
+def test_a_bare_queue_error_comes_through_while_the_worker_looks_alive() -> None:
+    """torch re-raises the queue's own error while no worker is seen dead.
+
+    The helper finds the iterator the error came through and, once the worker is dead, names it.
+    """
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    it = iter(loader)
+    assert isinstance(it, _MultiProcessingDataLoaderIter)
+    next(it)
+
+    def ended(*args: object, **kwargs: object) -> None:
+        raise EOFError
+
+    it._data_queue.get = ended  # type: ignore[attr-defined]
+    with pytest.raises(EOFError) as caught:
+        next(it)
+    assert [] == dead_workers_behind(caught.value)  # its worker is alive
+    _kill_workers(it)
+    (dead,) = dead_workers_behind(caught.value)
+    assert f"pid {it._workers[0].pid}, killed by SIGKILL" == dead  # type: ignore[attr-defined]
+    it._shutdown_workers()  # type: ignore[attr-defined]
+
+
+class _Ends(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        raise EOFError
+
+
+def test_an_error_through_no_dataloader_iterator_names_no_worker() -> None:
+    with pytest.raises(EOFError) as caught:
+        next(iter(DataLoader(_Ends(), batch_size=2)))  # a loader without worker processes
+    assert [] == dead_workers_behind(caught.value)
+
+
+@pytest.mark.usefixtures("no_sigchld_handler")
+@pytest.mark.parametrize(
+    ("error", "named"),
+    [
+        (ConnectionResetError(104, "Connection reset by peer"), True),
+        (EOFError(), True),
+        (RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."), False),
+    ],
+)
+def test_a_worker_dead_behind_an_error_is_named_once(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException, named: bool
+) -> None:
+    """The producer's note says which worker died where torch's error does not say it."""
+    original = _MultiProcessingDataLoaderIter._try_get_data
+
+    def dies(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._rcvd_idx == 2:  # the third batch: its worker dies handing it over
+            _kill_workers(self)
+            raise error
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_try_get_data", dies)
+    loader = DataLoader(list(range(16)), batch_size=2, num_workers=1)
+    batches = iter(nostall.prefetch(loader, "cpu"))
+    seen = [next(batches).tolist(), next(batches).tolist()]
+    with pytest.raises(type(error)) as caught:
+        next(batches)
+    assert caught.value is error
+    assert [[0, 1], [2, 3]] == seen  # every batch before it
+    (note,) = [n for n in error.__notes__ if n.startswith("nostall:")]
+    assert "raised by next(source) for batch 2" in note
+    assert named == ("a DataLoader worker having died (pid " in note), note
+    assert named == ("killed by SIGKILL" in note), note

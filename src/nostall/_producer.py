@@ -27,6 +27,7 @@ from ._epochs import EpochSource
 from ._exceptions import noted
 from ._exit import join_tracked, track
 from ._staging import Staged, Staging
+from ._torch_compat import dead_workers_behind
 
 #: How long interpreter exit waits, in all, for live producers to stop (seconds).
 EXIT_JOIN_S = 2.0
@@ -154,7 +155,15 @@ class Puller:
             return self._with_state(END, index, epoch, epochs.end_state, epochs.after_pull(True))
         except BaseException as e:
             self.pulled += 1  # the source moved past it: the next pull asks for the next batch
-            return self._failed(e, f"raised by next(source) for batch {index}, in {name!r}")
+            where = f"raised by next(source) for batch {index}, in {name!r}"
+            dead = [] if "DataLoader worker" in str(e) else dead_workers_behind(e)
+            if dead:
+                # A bare EOFError or connection reset from torch: say which worker died.
+                where += (
+                    f", a DataLoader worker having died ({'; '.join(dead)}; a SIGKILL is often "
+                    f"the out-of-memory killer: lower num_workers, batch_size or prefetch_factor)"
+                )
+            return self._failed(e, where)
         finally:
             if self.batches is not None and epoch not in self.marks:
                 self._mark_drawn(epoch)  # the order is drawn by now

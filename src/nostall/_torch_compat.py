@@ -6,16 +6,22 @@ with ``persistent_workers=True`` keeps its live iterator (its worker processes) 
 the private ``_iterator`` attribute; and a DataLoader refuses ``sampler`` and ``batch_sampler``
 once built (its ``__setattr__`` checks a private flag). nostall reads the first to tell a fresh
 epoch from a resumed one, and sets samplers on a private copy of the loader (resume, sharding).
-Both were checked against the torch versions in :data:`CHECKED_TORCH`;
+A worker process that died while handing a batch over can make the multi-process iterator
+re-raise a bare ``EOFError`` or ``ConnectionResetError`` from the fd-sharing connection before
+it notices the death itself; :func:`dead_workers_behind` finds that iterator (``self`` in the
+traceback's frames) and reads its ``_workers``, so the error can say which worker died.
+All were checked against the torch versions in :data:`CHECKED_TORCH`;
 ``tests/test_torch_compat.py`` fails on any other version until they are checked again.
 """
 
 from __future__ import annotations
 
 import copy
+import signal
 from typing import Any, TypeVar
 
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 #: The torch releases (major.minor) whose DataLoader internals these functions were checked on.
 CHECKED_TORCH = ("2.13",)
@@ -50,3 +56,31 @@ def index_sampler(loader: DataLoader[Any]) -> Any:
 def auto_collation(loader: DataLoader[Any]) -> bool:
     """Whether the loader fetches batches of indices and collates them (``batch_size`` set)."""
     return bool(loader._auto_collation)
+
+
+def dead_workers_behind(error: BaseException) -> list[str]:
+    """The dead worker processes of the DataLoader iterator that ``error`` came through.
+
+    Empty when it came through no multi-process iterator, or all its workers live. Each
+    reads "pid P, killed by SIGKILL" or "pid P, exit code C". Never raises.
+    """
+    try:
+        tb = error.__traceback__
+        while tb is not None:
+            it = tb.tb_frame.f_locals.get("self")
+            if isinstance(it, _MultiProcessingDataLoaderIter):
+                return [_describe(w) for w in it._workers if not w.is_alive()]
+            tb = tb.tb_next
+    except Exception:
+        pass
+    return []
+
+
+def _describe(worker: Any) -> str:
+    code = worker.exitcode
+    if isinstance(code, int) and code < 0:
+        try:
+            return f"pid {worker.pid}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"pid {worker.pid}, exit code {code}"
