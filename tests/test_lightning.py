@@ -368,6 +368,8 @@ DDP_RUNS = (
     "nostall-shard:0:0",
     "nostall-shard:1:0",
     "nostall-shard:1:2",
+    "nostall-shard-threads:0:0",
+    "nostall-shard-threads:1:0",
 )
 
 Ranks = dict[int, dict[str, Any]]
@@ -431,12 +433,21 @@ def test_ddp_plain_dataloader_gets_disjoint_halves(ddp: dict[str, Ranks], spec: 
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("spec", ["nostall-shard:0:0", "nostall-shard:1:0", "nostall-shard:1:2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nostall-shard:0:0",
+        "nostall-shard:1:0",
+        "nostall-shard:1:2",
+        "nostall-shard-threads:0:0",
+        "nostall-shard-threads:1:0",
+    ],
+)
 def test_ddp_shard_matches_lightnings_own_sharding(ddp: dict[str, Ranks], spec: str) -> None:
     """nostall.prefetch(loader, shard=True): per rank and epoch, the samples Lightning gives.
 
     The reference is Lightning's DistributedSampler injected into the same kind of DataLoader
-    (its order does not depend on the number of workers).
+    (its order does not depend on the number of workers, nor on loading threads).
     """
     workers = spec.rsplit(":", 1)[1]
     expected = ddp[f"plain:0:{workers}"]
@@ -444,6 +455,8 @@ def test_ddp_shard_matches_lightnings_own_sharding(ddp: dict[str, Ranks], spec: 
     for rank in (0, 1):
         assert trained(expected[rank]) == trained(actual[rank]), f"rank {rank}"
         assert [] == warned_about_sharding(actual[rank]), f"rank {rank}"
+        threads = actual[rank]["loading_threads"]
+        assert (threads > 0) == spec.startswith("nostall-shard-threads"), f"rank {rank}: {threads}"
     assert expected[0]["weights"] == actual[0]["weights"]
 
 

@@ -6,11 +6,13 @@ again for every other rank):
     python tests/frameworks/lightning_run.py OUT --devices 2 plain:0:0 nostall-shard:1:2
 
 Each RUN is MODE:ACROSS:WORKERS: MODE is plain (the DataLoader itself), nostall
-(``nostall.prefetch(loader)``) or nostall-shard (``nostall.prefetch(loader, shard=True)``);
+(``nostall.prefetch(loader)``), nostall-shard (``nostall.prefetch(loader, shard=True)``) or
+nostall-shard-threads (the same with ``threads=2``, the loader built with 0 workers);
 ACROSS is 0 or 1 for ``across_epochs``; WORKERS is the DataLoader's ``num_workers``. The runs go
 one after the other in the same processes. Every rank writes OUT/MODE-ACROSS-WORKERS/rankR.json
-with the sample indices it trained on per epoch, the final weights, the warnings raised while
-building the loader and training, and the error if building the loader failed.
+with the sample indices it trained on per epoch, the final weights, the most loading threads
+alive at a step, the warnings raised while building the loader and training, and the error if
+building the loader failed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ SEED = 7
 SAMPLES = 40
 BATCH = 4
 EPOCHS = 3
-MODES = ("plain", "nostall", "nostall-shard")
+MODES = ("plain", "nostall", "nostall-shard", "nostall-shard-threads")
 
 
 def dataset() -> TensorDataset:
@@ -67,6 +70,8 @@ def wrap(loader: DataLoader[Any], mode: str, across: bool) -> Any:
         return loader
     if mode == "nostall":
         return nostall.prefetch(loader, "cpu", across_epochs=across)
+    if mode == "nostall-shard-threads":
+        return nostall.prefetch(loader, "cpu", across_epochs=across, shard=True, threads=2)
     assert "nostall-shard" == mode, mode
     return nostall.prefetch(loader, "cpu", across_epochs=across, shard=True)
 
@@ -78,10 +83,14 @@ class Recorder(L.LightningModule):
         super().__init__()
         self.layer = torch.nn.Linear(3, 1)
         self.seen: dict[int, list[int]] = {}
+        #: The most nostall loading threads (``threads=``) alive at any step.
+        self.loading_threads = 0
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         index, features, target = batch
         self.seen.setdefault(self.current_epoch, []).extend(index.tolist())
+        alive = sum(t.name.startswith("nostall-load") for t in threading.enumerate())
+        self.loading_threads = max(self.loading_threads, alive)
         return torch.nn.functional.mse_loss(self.layer(features).squeeze(1), target)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -123,6 +132,7 @@ def run(mode: str, across: bool, workers: int, devices: int) -> tuple[dict[str, 
                 loader.close()
             record["seen"] = model.seen
             record["weights"] = model.weights()
+            record["loading_threads"] = model.loading_threads
     record["rank"] = trainer.global_rank if record["error"] is None else local_rank()
     record["warnings"] = [
         {"categories": [c.__name__ for c in w.category.__mro__], "message": str(w.message)}
