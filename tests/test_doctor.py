@@ -18,6 +18,7 @@ from nostall._cli import main
 from nostall._doctor import Diagnosis, Rate, diagnose, recommend
 from nostall._exceptions import ConfigurationError
 from nostall._specs import load_callable
+from nostall._thread_safety import ThreadSafety
 from nostall._tune import Setting, TuneResult
 
 _names = itertools.count()
@@ -223,6 +224,18 @@ def test_the_diagnosis_says_whether_threads_or_processes_loaded_faster() -> None
     only_threads = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
     only_threads.search.curve += [(Setting(0, 2, 2), 180.0), (Setting(2, 8), 400.0)]
     assert only_threads.threads_or_processes() is None  # num_workers=0, or another depth
+
+
+def test_the_diagnosis_says_what_the_thread_safety_check_found() -> None:
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    assert "thread safety" not in diagnosis.summary()  # threads not considered: no check
+    diagnosis.search.thread_safety = ThreadSafety("differed", 4, 64, differed=(8, 15))
+    line = diagnosis.summary().splitlines()[-1]
+    assert line.startswith("thread safety: NOT thread-safe: with 4 threads at once, the batch")
+    assert "of samples 8-15 came out other than one thread loaded it" in line
+    safety = diagnosis.to_dict()["tune"]["thread_safety"]
+    assert ("differed", [8, 15]) == (safety["verdict"], list(safety["differed"]))
+    json.dumps(diagnosis.to_dict())  # --json writes it
 
 
 def test_the_transform_is_measured_with_the_pipeline(user_module: str) -> None:

@@ -9,6 +9,7 @@ module imports only those above it::
     source (a DataLoader, a list, a generator)
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
       |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
+      |   _threads        threads=: the loader's samples fetched by loading threads, in order
       v
     _staging      per batch: pin -> copy on a side CUDA stream -> transform -> ready event
       |   _transfer       the moves themselves: pin_memory, to_device, record_stream
@@ -25,6 +26,9 @@ module imports only those above it::
       |   _lineage        what one pass hands the next: the position, the producer ahead
       v
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
+
+Above the facade, the tools that run it: ``_profile`` (the waits), ``_tune`` (the search, with
+``_thread_safety`` checked before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
 wrong value); ``_device`` resolves ``device=``.

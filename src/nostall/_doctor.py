@@ -124,6 +124,8 @@ class Diagnosis:
         choice = self.threads_or_processes()
         if choice is not None:
             lines.append(choice)
+        if self.search.thread_safety is not None:
+            lines.append(self.search.thread_safety.describe())
         if self.bound == "compute-bound":
             lines.append("the step is the bottleneck: faster loading will not help much.")
         return "\n".join(lines)

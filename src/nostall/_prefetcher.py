@@ -76,7 +76,8 @@ def prefetch(
         threads: load a ``DataLoader``'s samples with this many threads in this process,
             instead of worker processes: the loader's dataset, sampler and ``collate_fn``, the
             same batches in the same order (see :mod:`nostall._threads`). The loader must be
-            built with ``num_workers=0`` over a map-style dataset.
+            built with ``num_workers=0`` over a map-style dataset whose ``__getitem__`` is safe
+            to call from several threads at once (``nostall doctor`` checks it).
     """
     return Prefetcher(
         source,

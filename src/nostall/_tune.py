@@ -23,6 +23,7 @@ from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_device
 from ._prefetcher import prefetch
+from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threads import check_threadable
 from ._timing import synchronize
 from ._transfer import to_device
@@ -64,14 +65,18 @@ class TuneResult:
     samples_per_s: float
     curve: list[tuple[Setting, float]] = field(default_factory=list)
     batches_spent: int = 0
+    #: The check made before trying loading threads (None: threads were not considered).
+    thread_safety: ThreadSafety | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """For JSON."""
+        safety = self.thread_safety
         return {
             "best": asdict(self.best),
             "samples_per_s": self.samples_per_s,
             "batches_spent": self.batches_spent,
             "curve": [{**asdict(s), "samples_per_s": r} for s, r in self.curve],
+            "thread_safety": None if safety is None else asdict(safety),
         }
 
 
@@ -175,12 +180,15 @@ def tune(
 
     Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count);
     then, where the loader can be loaded by threads (``nostall.prefetch(threads=...)`` over
-    ``num_workers=0``), threads go 2, 4, ... up to twice that budget; the best of all keeps
-    its setting while the depth goes 4, 8, ... up to what the memory budget holds. Each climb
-    goes on while a step gains at least ``threshold`` (5%). A trial starts only while it fits
-    in what is left of ``max_batches``, so ``batches_spent <= max_batches``, with one
+    ``num_workers=0``) and its dataset passes the thread-safety check (its first samples, up
+    to 64, loaded by one thread and then by the most threads tried, must agree: see
+    ``result.thread_safety``), threads go 2, 4, ... up to twice that budget; the best of all
+    keeps its setting while the depth goes 4, 8, ... up to what the memory budget holds. Each
+    climb goes on while a step gains at least ``threshold`` (5%). A trial starts only while it
+    fits in what is left of ``max_batches``, so ``batches_spent <= max_batches``, with one
     exception: the first trial always runs (a result needs one): a ``max_batches`` below
-    ``batches_per_trial + 2`` (its start-up and timed batches) spends that many anyway.
+    ``batches_per_trial + 2`` (its start-up and timed batches) spends that many anyway. The
+    thread-safety check's samples (three passes) are not counted in ``batches_spent``.
 
     Args:
         factory: builds the loader; see the module docstring.
@@ -267,10 +275,16 @@ def tune(
                 return
 
     climb(Setting(workers, 2) for workers in workers_choices[1:])
-    if "num_workers" in knobs and _threadable(factory, dev):
+    thread_counts = [2**i for i in range(1, 9) if 2**i <= max(2, 2 * cores)]
+    safety = None
+    if "num_workers" in knobs and affordable() and _threadable(factory, dev):
+        # Never recommend threads for a dataset that gives other samples under them.
+        loader = build(factory, Setting(0, None), dev)
+        safety = check_thread_safety(loader, thread_counts[-1])  # type: ignore[arg-type]
+    if safety is not None and not safety.unsafe:
         # Threads climb from their own start: 2 threads need not beat the best processes.
         previous = 0.0
-        for threads in (2**i for i in range(1, 9) if 2**i <= max(2, 2 * cores)):
+        for threads in thread_counts:
             if not affordable():
                 break
             rate = trial(Setting(0, 2, threads))
@@ -286,7 +300,7 @@ def tune(
         spent += 1  # the batch that showed the size
         workers, threads = best.num_workers, best.threads
         climb(Setting(workers, 2**k, threads) for k in range(2, 6) if 2**k <= depth_limit)
-    return TuneResult(best, best_rate, curve, spent)
+    return TuneResult(best, best_rate, curve, spent, safety)
 
 
 def _threadable(factory: Factory, device: torch.device) -> bool:

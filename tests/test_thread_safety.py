@@ -1,0 +1,159 @@
+"""The check tune and the doctor make before trying loading threads (``nostall._thread_safety``)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import nostall
+from nostall._thread_safety import MAX_SAMPLES, ThreadSafety, check_thread_safety
+
+
+class Squares(Dataset[torch.Tensor]):
+    """Deterministic and stateless: safe for threads."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i], dtype=torch.float32)
+
+
+class SharedPosition(Dataset[torch.Tensor]):
+    """Not thread-safe, like a file object shared by a seek and a read.
+
+    Each call sets the shared position, then reads it back. With several loading threads, calls
+    meet in pairs at a barrier between the two (so the race happens on any machine): the earlier
+    call of a pair reads the later one's position. One thread never waits.
+    """
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.barrier = threading.Barrier(2)
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.position = i  # seek
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            try:
+                self.barrier.wait(timeout=2)
+            except threading.BrokenBarrierError:
+                self.barrier.reset()  # no partner came: go on alone
+        return torch.tensor([self.position])  # read
+
+
+class GlobalNoise(Dataset[torch.Tensor]):
+    """Draws from torch's global generator, which threads share."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2) + i
+
+
+class OwnNoise(Dataset[torch.Tensor]):
+    """Draws from the generator torch.thread_safe_generator() gives: one per sample."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2, generator=torch.thread_safe_generator()) + i
+
+
+class Fails(Squares):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 3:
+            raise KeyError(i)
+        return super().__getitem__(i)
+
+
+def test_a_stateless_dataset_agrees() -> None:
+    result = check_thread_safety(DataLoader(Squares(), batch_size=8), 4)
+    assert ThreadSafety("agreed", 4, MAX_SAMPLES) == result
+    assert not result.unsafe
+    assert "4 threads loaded the same 64 samples as one thread" in result.describe()
+
+
+@pytest.mark.parametrize("batch_size", [8, None])
+def test_a_shared_position_is_caught(batch_size: int | None) -> None:
+    result = check_thread_safety(DataLoader(SharedPosition(), batch_size=batch_size), 4)
+    assert "differed" == result.verdict
+    assert result.unsafe
+    assert result.differed is not None
+    first, last = result.differed
+    assert (last - first + 1) == (batch_size or 1)
+    line = result.describe()
+    assert "NOT thread-safe" in line
+    assert "threads were not tried" in line
+    assert "os.pread, threading.local()" in line
+
+
+def test_draws_from_the_global_generator_cannot_be_checked() -> None:
+    result = check_thread_safety(DataLoader(GlobalNoise(), batch_size=8), 4)
+    assert "random" == result.verdict
+    assert not result.unsafe  # not known to be unsafe: threads are still tried
+    assert "torch.thread_safe_generator()" in result.describe()
+
+
+def test_draws_from_the_samples_own_generator_agree() -> None:
+    assert "agreed" == check_thread_safety(DataLoader(OwnNoise(), batch_size=8), 4).verdict
+
+
+def test_an_error_in_the_dataset_is_a_failed_check_not_an_exception() -> None:
+    result = check_thread_safety(DataLoader(Fails(), batch_size=8), 4)
+    assert ("failed", False) == (result.verdict, result.unsafe)
+    assert "not checked: loading raised KeyError" in result.describe()
+
+
+def test_the_check_leaves_the_global_generators_as_they_were() -> None:
+    """Even a dataset that draws from them: the user's training sees the states it set."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    check_thread_safety(DataLoader(GlobalNoise(), batch_size=8), 4)
+    assert torch.equal(expected[0], torch.rand(3))
+    assert (expected[1], expected[2]) == (random.random(), np.random.rand())
+
+
+def test_few_samples_are_checked_in_two_batches_at_least() -> None:
+    small = torch.utils.data.Subset(Squares(), range(6))
+    assert ThreadSafety("agreed", 2, 6) == check_thread_safety(DataLoader(small, batch_size=32), 2)
+
+
+def _factory(dataset: Dataset[Any]) -> Any:
+    def make_loader(num_workers: int = 0) -> DataLoader[Any]:
+        return DataLoader(dataset, batch_size=8, num_workers=num_workers)
+
+    return make_loader
+
+
+def test_tune_does_not_try_threads_on_a_dataset_that_is_not_thread_safe() -> None:
+    result = nostall.tune(_factory(SharedPosition()), max_batches=60, device="cpu", max_workers=0)
+    assert result.thread_safety is not None
+    assert result.thread_safety.unsafe
+    assert 2 == result.thread_safety.threads  # the most threads the climb would try (0 cores)
+    assert all(s.threads is None for s, _ in result.curve)
+    assert result.best.threads is None
+    assert "differed" == result.to_dict()["thread_safety"]["verdict"]
+
+
+def test_tune_tries_threads_on_a_dataset_that_agrees() -> None:
+    result = nostall.tune(_factory(Squares()), max_batches=60, device="cpu", max_workers=0)
+    assert result.thread_safety is not None
+    assert "agreed" == result.thread_safety.verdict
+    assert any(s.threads is not None for s, _ in result.curve)
