@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -59,6 +60,10 @@ def dataset(workload: str, cache: str | None) -> Dataset[Any]:
     files = jpeg_files(cache, 256)
     paths = [str(files[i % len(files)]) for i in range(PAIRS)]
     return JpegImages(paths, 224) if workload == "jpeg" else PythonWork(paths)  # type: ignore[arg-type]
+
+
+#: The library each way imports, loaded before the memory baseline (as a training script would).
+LIBRARY = {"nostall": "nostall", "torchdata": "torchdata.nodes", "spdl": "spdl.pipeline"}
 
 
 def feed(way: str, count: int, data: Dataset[Any], indices: list[int], batch: int) -> Any:
@@ -110,7 +115,9 @@ def one_run(
     """
     torch.set_num_threads(1)
     data = dataset(workload, cache)
-    data[0]  # the idle training process has its imports (PIL) loaded already
+    # The idle training process has its imports loaded already: PIL, and the library of the way.
+    data[0]
+    importlib.import_module(LIBRARY.get(way, "torch"))
     indices = list(range(batches * batch))
     base = pss()
     peak = [base]
