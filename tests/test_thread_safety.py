@@ -78,7 +78,7 @@ class Fails(Squares):
 
 
 def test_a_stateless_dataset_agrees() -> None:
-    result = check_thread_safety(DataLoader(Squares(), batch_size=8), 4)
+    result = check_thread_safety(lambda: DataLoader(Squares(), batch_size=8), 4)
     assert ThreadSafety("agreed", 4, MAX_SAMPLES) == result
     assert not result.unsafe
     assert "4 threads loaded the same 64 samples as one thread" in result.describe()
@@ -86,7 +86,7 @@ def test_a_stateless_dataset_agrees() -> None:
 
 @pytest.mark.parametrize("batch_size", [8, None])
 def test_a_shared_position_is_caught(batch_size: int | None) -> None:
-    result = check_thread_safety(DataLoader(SharedPosition(), batch_size=batch_size), 4)
+    result = check_thread_safety(lambda: DataLoader(SharedPosition(), batch_size=batch_size), 4)
     assert "differed" == result.verdict
     assert result.unsafe
     assert result.differed is not None
@@ -99,20 +99,116 @@ def test_a_shared_position_is_caught(batch_size: int | None) -> None:
 
 
 def test_draws_from_the_global_generator_cannot_be_checked() -> None:
-    result = check_thread_safety(DataLoader(GlobalNoise(), batch_size=8), 4)
+    result = check_thread_safety(lambda: DataLoader(GlobalNoise(), batch_size=8), 4)
     assert "random" == result.verdict
     assert not result.unsafe  # not known to be unsafe: threads are still tried
     assert "torch.thread_safe_generator()" in result.describe()
 
 
 def test_draws_from_the_samples_own_generator_agree() -> None:
-    assert "agreed" == check_thread_safety(DataLoader(OwnNoise(), batch_size=8), 4).verdict
+    assert "agreed" == check_thread_safety(lambda: DataLoader(OwnNoise(), batch_size=8), 4).verdict
 
 
 def test_an_error_in_the_dataset_is_a_failed_check_not_an_exception() -> None:
-    result = check_thread_safety(DataLoader(Fails(), batch_size=8), 4)
+    result = check_thread_safety(lambda: DataLoader(Fails(), batch_size=8), 4)
     assert ("failed", False) == (result.verdict, result.unsafe)
     assert "not checked: loading raised KeyError" in result.describe()
+
+
+class BorrowedOnce(Squares):
+    """Raises when called while another call is in progress, as a fast tokenizer does."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.barrier = threading.Barrier(2)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.busy:
+            raise RuntimeError("Already borrowed")
+        self.busy = True
+        try:
+            info = torch.utils.data.get_worker_info()
+            if info is not None and info.num_workers > 1:
+                try:
+                    self.barrier.wait(timeout=2)  # a second call comes meanwhile
+                except threading.BrokenBarrierError:
+                    self.barrier.reset()
+            return super().__getitem__(i)
+        finally:
+            self.busy = False
+
+
+def test_an_error_only_under_threads_is_unsafe() -> None:
+    result = check_thread_safety(lambda: DataLoader(BorrowedOnce(), batch_size=8), 4)
+    assert ("raised", True) == (result.verdict, result.unsafe)
+    assert "RuntimeError: Already borrowed" in result.why
+    line = result.describe()
+    assert "NOT thread-safe: with 4 threads at once, loading raised RuntimeError" in line
+
+
+class OwnGenerator(Squares):
+    """Safe, but draws from a generator of its own: its samples differ from load to load."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return super().__getitem__(i) + torch.rand(2, generator=self.generator)
+
+
+class Labelled:
+    """A sample object without __eq__: equal only by its attributes."""
+
+    def __init__(self, i: int) -> None:
+        self.label, self.values = i, torch.arange(3) * i
+
+
+class Objects(Squares):
+    def __getitem__(self, i: int) -> Any:
+        return Labelled(i)
+
+
+def test_samples_that_vary_between_loads_cannot_be_checked() -> None:
+    result = check_thread_safety(lambda: DataLoader(OwnGenerator(), batch_size=8), 4)
+    assert ("random", False) == (result.verdict, result.unsafe)
+    assert "two one-thread loads of the same samples differed" in result.why
+
+
+@pytest.mark.parametrize("batch_size", [8, None])
+def test_objects_are_compared_by_their_attributes(batch_size: int | None) -> None:
+    def build() -> DataLoader[Any]:
+        return DataLoader(Objects(), batch_size=batch_size, collate_fn=lambda batch: batch)
+
+    assert "agreed" == check_thread_safety(build, 4).verdict
+
+
+class RacyCache(Squares):
+    """Fills a cache without a lock: a read between two writes finds another sample's entry."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, Any] = {}
+        self.barrier = threading.Barrier(2)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in self.cache.get("keys", ()):
+            return self.cache["values"][self.cache["keys"].index(i)]  # type: ignore[no-any-return]
+        self.cache["last"] = super().__getitem__(i)  # one slot shared by every call
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            try:
+                self.barrier.wait(timeout=2)
+            except threading.BrokenBarrierError:
+                self.barrier.reset()
+        value = self.cache["last"]
+        self.cache.setdefault("keys", []).append(i)
+        self.cache.setdefault("values", []).append(value)
+        return value  # type: ignore[no-any-return]
+
+
+def test_a_cache_filled_without_a_lock_is_caught_on_a_fresh_dataset() -> None:
+    """Every threaded pass starts from a freshly built loader, so the cache fills under threads."""
+    result = check_thread_safety(lambda: DataLoader(RacyCache(), batch_size=8), 4)
+    assert ("differed", True) == (result.verdict, result.unsafe)
 
 
 def test_the_check_leaves_the_global_generators_as_they_were() -> None:
@@ -125,14 +221,15 @@ def test_the_check_leaves_the_global_generators_as_they_were() -> None:
     torch.manual_seed(5)
     random.seed(5)
     np.random.seed(5)
-    check_thread_safety(DataLoader(GlobalNoise(), batch_size=8), 4)
+    check_thread_safety(lambda: DataLoader(GlobalNoise(), batch_size=8), 4)
     assert torch.equal(expected[0], torch.rand(3))
     assert (expected[1], expected[2]) == (random.random(), np.random.rand())
 
 
 def test_few_samples_are_checked_in_two_batches_at_least() -> None:
     small = torch.utils.data.Subset(Squares(), range(6))
-    assert ThreadSafety("agreed", 2, 6) == check_thread_safety(DataLoader(small, batch_size=32), 2)
+    result = check_thread_safety(lambda: DataLoader(small, batch_size=32), 2)
+    assert ThreadSafety("agreed", 2, 6) == result
 
 
 def _factory(dataset: Dataset[Any]) -> Any:

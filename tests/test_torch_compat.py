@@ -90,7 +90,8 @@ def _kill_workers(it: Any) -> None:
 def test_a_bare_queue_error_comes_through_while_the_worker_looks_alive() -> None:
     """torch re-raises the queue's own error while no worker is seen dead.
 
-    The helper finds the iterator the error came through and, once the worker is dead, names it.
+    The helper finds the iterator the error came through and, once the worker is dead, names
+    it, waiting a while for a worker that is dying; not a worker torch no longer counts on.
     """
     loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
     it = iter(loader)
@@ -103,10 +104,13 @@ def test_a_bare_queue_error_comes_through_while_the_worker_looks_alive() -> None
     it._data_queue.get = ended  # type: ignore[attr-defined]
     with pytest.raises(EOFError) as caught:
         next(it)
-    assert [] == dead_workers_behind(caught.value)  # its worker is alive
-    _kill_workers(it)
-    (dead,) = dead_workers_behind(caught.value)
-    assert f"pid {it._workers[0].pid}, killed by SIGKILL" == dead  # type: ignore[attr-defined]
+    assert [] == dead_workers_behind(caught.value, wait_s=0.1)  # its worker is alive
+    worker = it._workers[0]  # type: ignore[attr-defined]
+    os.kill(worker.pid, signal.SIGKILL)  # dying, not yet reaped: the helper waits for it
+    (dead,) = dead_workers_behind(caught.value, wait_s=60)
+    assert f"pid {worker.pid}, killed by SIGKILL" == dead
+    it._workers_status[0] = False  # type: ignore[attr-defined]  # torch no longer counts on it
+    assert [] == dead_workers_behind(caught.value, wait_s=0)
     it._shutdown_workers()  # type: ignore[attr-defined]
 
 
@@ -130,7 +134,9 @@ def test_an_error_through_no_dataloader_iterator_names_no_worker() -> None:
     [
         (ConnectionResetError(104, "Connection reset by peer"), True),
         (EOFError(), True),
+        # torch's own account (it saw the death), and an error of another kind: no note.
         (RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."), False),
+        (TimeoutError("DataLoader timed out after 2 seconds"), False),
     ],
 )
 def test_a_worker_dead_behind_an_error_is_named_once(
@@ -147,10 +153,11 @@ def test_a_worker_dead_behind_an_error_is_named_once(
 
     monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_try_get_data", dies)
     loader = DataLoader(list(range(16)), batch_size=2, num_workers=1)
-    batches = iter(nostall.prefetch(loader, "cpu"))
-    seen = [next(batches).tolist(), next(batches).tolist()]
-    with pytest.raises(type(error)) as caught:
-        next(batches)
+    with nostall.prefetch(loader, "cpu") as prefetcher:
+        batches = iter(prefetcher)
+        seen = [next(batches).tolist(), next(batches).tolist()]
+        with pytest.raises(type(error)) as caught:
+            next(batches)
     assert caught.value is error
     assert [[0, 1], [2, 3]] == seen  # every batch before it
     (note,) = [n for n in error.__notes__ if n.startswith("nostall:")]

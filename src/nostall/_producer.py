@@ -156,9 +156,9 @@ class Puller:
         except BaseException as e:
             self.pulled += 1  # the source moved past it: the next pull asks for the next batch
             where = f"raised by next(source) for batch {index}, in {name!r}"
-            dead = [] if "DataLoader worker" in str(e) else dead_workers_behind(e)
+            # A bare EOFError or connection reset from torch: say which worker died, if one did.
+            dead = dead_workers_behind(e) if isinstance(e, (EOFError, ConnectionError)) else []
             if dead:
-                # A bare EOFError or connection reset from torch: say which worker died.
                 where += (
                     f", a DataLoader worker having died ({'; '.join(dead)}; a SIGKILL is often "
                     f"the out-of-memory killer: lower num_workers, batch_size or prefetch_factor)"

@@ -2,26 +2,33 @@
 
 ``threads=`` calls the dataset's ``__getitem__`` from several threads at a time. A dataset
 that is not safe for that (one file object shared by a seek and a read, a decoder handle,
-a cache filled without a lock) gives wrong samples without any error. ``tune`` and the doctor
-must not recommend threads for it, so before trying threads they run this check:
+a cache filled without a lock) gives wrong samples, or raises, only under threads. ``tune``
+and the doctor must not recommend threads for it, so before trying threads they load the
+first samples (at most :data:`MAX_SAMPLES`), batched and collated as the loader does:
 
-1. the first samples of the dataset are loaded with ``threads=1`` (its own random state per
-   sample, as ``threads=`` gives), and the global generators (torch's, Python's ``random``,
-   NumPy's) are watched: a dataset that draws from them cannot be checked, since threads
-   share them and interleave their draws (``random``);
-2. the same samples are loaded twice with ``threads=N`` (the global generators put back first);
-   any sample that differs from the one-thread load says the dataset is not thread-safe
-   (``differed``); if all agree, nothing was seen (``agreed``).
+1. twice with ``threads=1`` from the same loader (each sample its own random state, as
+   ``threads=`` gives), the global generators (torch's, Python's ``random``, NumPy's)
+   watched: a dataset or collate_fn that draws from them, or whose samples differ between the
+   two loads (a generator of its own), cannot be checked (``random``): a difference under
+   threads would not say whether threads caused it;
+2. twice with ``threads=N``, each from a loader freshly built (its caches empty, so that
+   filling them races too), the global generators put back first: a sample that differs
+   from the one-thread load (``differed``), or an error that one thread did not meet
+   (``raised``), says the dataset is not thread-safe; if all agree, nothing was seen
+   (``agreed``).
 
 A race that did not happen in these loads is not seen: ``agreed`` is evidence, not proof.
+Only ``differed`` and ``raised`` keep threads from being tried.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,10 +39,12 @@ from torch.utils.data import DataLoader
 from ._prefetcher import prefetch
 from ._torch_compat import auto_collation
 
-#: The most samples the check loads per pass (three passes; two kept at a time).
+#: The most samples the check loads per pass (four passes; one kept).
 MAX_SAMPLES = 64
+#: The longest a pass waits for one batch: a dataset that deadlocks under threads fails.
+TIMEOUT_S = 120.0
 
-Verdict = Literal["agreed", "differed", "random", "failed"]
+Verdict = Literal["agreed", "differed", "raised", "random", "failed"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,13 @@ class ThreadSafety:
     #: For "differed": the first and last sample index of the first sample (or collated batch)
     #: that differed from the one-thread load.
     differed: tuple[int, int] | None = None
-    #: Why the check could not decide ("random", "failed").
+    #: What was raised ("raised"), or why the check could not decide ("random", "failed").
     why: str = ""
 
     @property
     def unsafe(self) -> bool:
-        """Whether threads gave other samples than one thread: never recommend threads."""
-        return self.verdict == "differed"
+        """Whether threads gave other samples, or errors, than one thread: never recommend."""
+        return self.verdict in ("differed", "raised")
 
     def describe(self) -> str:
         """One line, as the doctor prints it."""
@@ -64,73 +73,89 @@ class ThreadSafety:
                 f"thread safety: {n} threads loaded the same {self.samples} samples as one "
                 f"thread, twice (a check, not a proof)."
             )
-        if self.differed is not None:
-            first, last = self.differed
-            which = f"sample {first}" if first == last else f"the batch of samples {first}-{last}"
+        if self.unsafe:
+            if self.differed is not None:
+                first, last = self.differed
+                which = (
+                    f"sample {first}" if first == last else f"the batch of samples {first}-{last}"
+                )
+                what = f"{which} came out other than one thread loaded it"
+            else:
+                what = f"loading raised {self.why}, where one thread loaded the samples"
             return (
-                f"thread safety: NOT thread-safe: with {n} threads at once, {which} came out "
-                f"other than one thread loaded it, so threads were not tried. Its __getitem__ "
-                f"shares something between calls (a file position used by seek then read, a "
-                f"decoder, a cache): give each thread its own (os.pread, threading.local()), "
-                f"or keep worker processes."
+                f"thread safety: NOT thread-safe: with {n} threads at once, {what}, so threads "
+                f"were not tried. Its __getitem__ shares something between calls (a file "
+                f"position used by seek then read, a decoder, a cache): give each thread its "
+                f"own (os.pread, threading.local()), or keep worker processes."
             )
         return f"thread safety: not checked: {self.why}."
 
 
-def check_thread_safety(loader: DataLoader[Any], threads: int) -> ThreadSafety:
-    """Load ``loader``'s first samples with one thread, then twice with ``threads``; compare.
+def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> ThreadSafety:
+    """Load the first samples of fresh loaders from ``build`` with one thread, then ``threads``.
 
-    See the module docstring. The samples are batched and collated as ``loader`` does, at most
+    See the module docstring. The samples are batched and collated as the loader does, at most
     :data:`MAX_SAMPLES` of them in at least two batches. Never raises for the dataset's errors:
-    an error makes a "failed" check (the trials show the error itself).
+    an error with one thread makes a "failed" check (the trials show the error itself).
     """
-    dataset = loader.dataset
+    loader = build()
     try:
-        count = min(len(dataset), MAX_SAMPLES)  # type: ignore[arg-type]
+        count = min(len(loader.dataset), MAX_SAMPLES)  # type: ignore[arg-type]
     except TypeError:
         return ThreadSafety("failed", threads, 0, why="the dataset has no len()")
     batch_size = (loader.batch_size or 8) if auto_collation(loader) else None
     if batch_size is not None:
         batch_size = max(1, min(batch_size, math.ceil(count / 2)))  # two batches at least
 
-    def load(threads: int) -> list[Any]:
+    def load(threads: int, fresh: bool = True) -> Generator[Any, None, None]:
+        source = build() if fresh else loader  # a fresh dataset: its caches empty
         check = DataLoader(
-            dataset,
+            source.dataset,
             batch_size=batch_size,
             sampler=range(count),
-            collate_fn=loader.collate_fn,
+            collate_fn=source.collate_fn,
             # The samples' random states come from this generator's first draw (the epoch's
             # base seed), the same in every pass, and not from the global generator.
             generator=torch.Generator().manual_seed(0),
         )
         # Deep enough that every thread has a sample to load, one sample per batch too.
-        return list(prefetch(check, "cpu", threads=threads, depth=max(2, 2 * threads)))
+        depth = max(2, 2 * threads)
+        with prefetch(check, "cpu", threads=threads, depth=depth, timeout=TIMEOUT_S) as batches:
+            yield from batches
+
+    def inconclusive(why: str) -> ThreadSafety:
+        return ThreadSafety("random", threads, count, why=why)
 
     try:
         with _global_generators() as moved:
-            reference = load(1)
+            reference = list(load(1, fresh=False))
         if moved():
-            return ThreadSafety(
-                "random",
-                threads,
-                count,
-                why=(
-                    "__getitem__ draws from a global random generator (torch's, random's or "
-                    "NumPy's), which threads share; draw from torch.thread_safe_generator() "
-                    "to make its samples reproducible with threads, and checkable"
-                ),
+            return inconclusive(
+                "the dataset or collate_fn draws from a global random generator (torch's, "
+                "random's or NumPy's, as torchvision's v1 transforms do), which threads "
+                "share; draw from torch.thread_safe_generator() to make its samples "
+                "reproducible with threads, and checkable"
             )
-        for _ in range(2):
-            with _global_generators():
-                loaded = load(threads)
-            item = _first_difference(reference, loaded)
-            if item is not None:
-                size = batch_size or 1
-                first = item * size
-                where = (first, min(first + size, count) - 1)
-                return ThreadSafety("differed", threads, count, differed=where)
+        # The same dataset object again: a generator of its own has moved on meanwhile.
+        with _global_generators(), contextlib.closing(load(1, fresh=False)) as again:
+            if _first_difference(reference, again) is not None:
+                return inconclusive(
+                    "two one-thread loads of the same samples differed (a generator of the "
+                    "dataset's own, or samples that cannot be compared)"
+                )
     except Exception as e:
         return ThreadSafety("failed", threads, count, why=f"loading raised {type(e).__name__}")
+    for _ in range(2):
+        try:
+            with _global_generators(), contextlib.closing(load(threads)) as loaded:
+                item = _first_difference(reference, loaded)
+        except Exception as e:  # one thread loaded these samples without it
+            return ThreadSafety("raised", threads, count, why=f"{type(e).__name__}: {e}"[:200])
+        if item is not None:
+            size = batch_size or 1
+            first = item * size
+            where = (first, min(first + size, count) - 1)
+            return ThreadSafety("differed", threads, count, differed=where)
     return ThreadSafety("agreed", threads, count)
 
 
@@ -159,23 +184,39 @@ def _global_generators() -> Iterator[Any]:
             numpy.random.set_state(before[2:])
 
 
-def _first_difference(reference: list[Any], loaded: list[Any]) -> int | None:
-    """The position of the first item (a sample, or a collated batch) that differs, or None."""
-    if len(reference) != len(loaded):
-        return min(len(reference), len(loaded))
-    for i, (a, b) in enumerate(zip(reference, loaded, strict=True)):
-        if not _same(a, b):
+def _first_difference(reference: list[Any], loaded: Iterator[Any]) -> int | None:
+    """The position of the first item (a sample, or a collated batch) that differs, or None.
+
+    ``loaded`` is compared as it comes and left at the first difference.
+    """
+    count = 0
+    for i, item in enumerate(loaded):
+        if i >= len(reference) or not _same(reference[i], item):
             return i
-    return None
+        count += 1
+    return None if count == len(reference) else count
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal values, NaN equal to NaN; a pair that cannot be compared counts as equal."""
+    """Equal values, NaN equal to NaN; objects by their attributes.
+
+    What cannot be compared counts as equal: the check then sees nothing, rather than a race
+    that is not there.
+    """
+    try:
+        return _compare(a, b)
+    except Exception:
+        return True
+
+
+def _compare(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
         if a.is_floating_point() or a.is_complex():
             return bool(((a == b) | (a.isnan() & b.isnan())).all())
         return torch.equal(a, b)
@@ -185,11 +226,15 @@ def _same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     numpy = sys.modules.get("numpy")
     if numpy is not None and (isinstance(a, numpy.ndarray) or isinstance(b, numpy.ndarray)):
-        try:
-            return bool(numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-        except Exception:
-            return bool(numpy.array_equal(a, b))
-    try:
-        return bool(a == b) or (a != a and b != b)  # NaN
-    except Exception:
-        return True
+        nan = getattr(a, "dtype", None) is not None and a.dtype.kind in "fc"
+        return bool(numpy.array_equal(a, b, equal_nan=nan))
+    # A dataclass compares its fields as a tuple (ambiguous for tensors); an object without
+    # __eq__ compares by identity, never equal across loads: compare their attributes.
+    by_identity = getattr(type(a), "__eq__", None) is getattr(object, "__eq__", None)
+    if (
+        type(a) is type(b)
+        and hasattr(a, "__dict__")
+        and (dataclasses.is_dataclass(a) or by_identity)
+    ):
+        return _same(vars(a), vars(b))
+    return bool(a == b) or (a != a and b != b)  # NaN

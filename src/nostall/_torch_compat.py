@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import signal
+import time
 from typing import Any, TypeVar
 
 from torch.utils.data import DataLoader
@@ -58,22 +59,34 @@ def auto_collation(loader: DataLoader[Any]) -> bool:
     return bool(loader._auto_collation)
 
 
-def dead_workers_behind(error: BaseException) -> list[str]:
+def dead_workers_behind(error: BaseException, wait_s: float = 0.5) -> list[str]:
     """The dead worker processes of the DataLoader iterator that ``error`` came through.
 
-    Empty when it came through no multi-process iterator, or all its workers live. Each
-    reads "pid P, killed by SIGKILL" or "pid P, exit code C". Never raises.
+    Empty when it came through no multi-process iterator, or none of its workers died: a
+    worker torch no longer counts on (``_workers_status``) or that exited with code 0 ended
+    as it should. torch re-raises the bare error right after finding every worker alive, so
+    a worker that is dying is waited for, up to ``wait_s``. Each reads "pid P, killed by
+    SIGKILL" or "pid P, exit code C". Never raises.
     """
     try:
+        it = None
         tb = error.__traceback__
-        while tb is not None:
-            it = tb.tb_frame.f_locals.get("self")
-            if isinstance(it, _MultiProcessingDataLoaderIter):
-                return [_describe(w) for w in it._workers if not w.is_alive()]
+        while tb is not None and it is None:
+            found = tb.tb_frame.f_locals.get("self")
+            if isinstance(found, _MultiProcessingDataLoaderIter):
+                it = found
             tb = tb.tb_next
+        if it is None:
+            return []
+        deadline = time.monotonic() + wait_s
+        while True:
+            expected = [w for w, up in zip(it._workers, it._workers_status, strict=False) if up]
+            dead = [w for w in expected if not w.is_alive() and w.exitcode != 0]
+            if dead or time.monotonic() >= deadline:
+                return [_describe(w) for w in dead]
+            time.sleep(0.02)
     except Exception:
-        pass
-    return []
+        return []
 
 
 def _describe(worker: Any) -> str:

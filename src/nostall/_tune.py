@@ -180,15 +180,16 @@ def tune(
 
     Workers go 0, 2, 4, ... up to the CPU budget (``max_workers``, default the core count);
     then, where the loader can be loaded by threads (``nostall.prefetch(threads=...)`` over
-    ``num_workers=0``) and its dataset passes the thread-safety check (its first samples, up
-    to 64, loaded by one thread and then by the most threads tried, must agree: see
-    ``result.thread_safety``), threads go 2, 4, ... up to twice that budget; the best of all
-    keeps its setting while the depth goes 4, 8, ... up to what the memory budget holds. Each
-    climb goes on while a step gains at least ``threshold`` (5%). A trial starts only while it
-    fits in what is left of ``max_batches``, so ``batches_spent <= max_batches``, with one
-    exception: the first trial always runs (a result needs one): a ``max_batches`` below
-    ``batches_per_trial + 2`` (its start-up and timed batches) spends that many anyway. The
-    thread-safety check's samples (three passes) are not counted in ``batches_spent``.
+    ``num_workers=0``) unless the thread-safety check finds its dataset unsafe (its first
+    samples, up to 64, loaded by one thread and then by the most threads tried, came out
+    otherwise or raised: see ``result.thread_safety``), threads go 2, 4, ... up to twice that
+    budget; the best of all keeps its setting while the depth goes 4, 8, ... up to what the
+    memory budget holds. Each climb goes on while a step gains at least ``threshold`` (5%). A
+    trial starts only while it fits in what is left of ``max_batches``, so ``batches_spent <=
+    max_batches``, with one exception: the first trial always runs (a result needs one): a
+    ``max_batches`` below ``batches_per_trial + 2`` (its start-up and timed batches) spends
+    that many anyway. The thread-safety check's samples (four passes, each over a loader
+    freshly built) are not counted in ``batches_spent``.
 
     Args:
         factory: builds the loader; see the module docstring.
@@ -278,9 +279,11 @@ def tune(
     thread_counts = [2**i for i in range(1, 9) if 2**i <= max(2, 2 * cores)]
     safety = None
     if "num_workers" in knobs and affordable() and _threadable(factory, dev):
-        # Never recommend threads for a dataset that gives other samples under them.
-        loader = build(factory, Setting(0, None), dev)
-        safety = check_thread_safety(loader, thread_counts[-1])  # type: ignore[arg-type]
+        # Never recommend threads for a dataset that gives other samples (or errors) under them.
+        def fresh() -> Any:
+            return build(factory, Setting(0, None), dev)
+
+        safety = check_thread_safety(fresh, thread_counts[-1])
     if safety is not None and not safety.unsafe:
         # Threads climb from their own start: 2 threads need not beat the best processes.
         previous = 0.0
