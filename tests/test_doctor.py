@@ -221,6 +221,9 @@ def test_the_diagnosis_says_whether_threads_or_processes_loaded_faster() -> None
     assert line in diagnosis.summary()
     diagnosis.search.curve.append((Setting(4, 2), 300.0))
     assert "worker processes loaded faster here" in str(diagnosis.threads_or_processes())
+    close = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    close.search.curve += [(Setting(2, 2), 200.0), (Setting(0, 2, 4), 240.0)]  # 1.2x: noise
+    assert "about the same here, no clear difference" in str(close.threads_or_processes())
     only_threads = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
     only_threads.search.curve += [(Setting(0, 2, 2), 180.0), (Setting(2, 8), 400.0)]
     assert only_threads.threads_or_processes() is None  # num_workers=0, or another depth
@@ -232,7 +235,7 @@ def test_the_diagnosis_says_what_the_thread_safety_check_found() -> None:
     diagnosis.search.thread_safety = ThreadSafety("differed", 4, 64, differed=(8, 15))
     line = diagnosis.summary().splitlines()[-1]
     assert line.startswith("thread safety: NOT thread-safe: with 4 threads at once, the batch")
-    assert "of samples 8-15 came out other than one thread loaded it" in line
+    assert "of dataset[8] to dataset[15] came out other than one thread loaded it" in line
     safety = diagnosis.to_dict()["tune"]["thread_safety"]
     assert ("differed", [8, 15]) == (safety["verdict"], list(safety["differed"]))
     json.dumps(diagnosis.to_dict())  # --json writes it

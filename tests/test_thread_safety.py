@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._thread_safety import MAX_SAMPLES, ThreadSafety, check_thread_safety
+from nostall._thread_safety import MAX_PASSES, MAX_SAMPLES, MIN_PASSES, check_thread_safety
 
 
 class Squares(Dataset[torch.Tensor]):
@@ -79,9 +79,12 @@ class Fails(Squares):
 
 def test_a_stateless_dataset_agrees() -> None:
     result = check_thread_safety(lambda: DataLoader(Squares(), batch_size=8), 4)
-    assert ThreadSafety("agreed", 4, MAX_SAMPLES) == result
+    assert ("agreed", 4, MAX_SAMPLES) == (result.verdict, result.threads, result.samples)
+    assert MIN_PASSES <= result.passes <= MAX_PASSES
     assert not result.unsafe
-    assert "4 threads loaded the same 64 samples as one thread" in result.describe()
+    line = result.describe()
+    assert "4 threads, starting their calls together, loaded the same 64 samples" in line
+    assert f"as one thread, {result.passes} times over (a check, not a proof" in line
 
 
 @pytest.mark.parametrize("batch_size", [8, None])
@@ -95,7 +98,7 @@ def test_a_shared_position_is_caught(batch_size: int | None) -> None:
     line = result.describe()
     assert "NOT thread-safe" in line
     assert "threads were not tried" in line
-    assert "os.pread, threading.local()" in line
+    assert "read with os.pread, or open each handle on first use in each thread" in line
 
 
 def test_draws_from_the_global_generator_cannot_be_checked() -> None:
@@ -229,7 +232,7 @@ def test_the_check_leaves_the_global_generators_as_they_were() -> None:
 def test_few_samples_are_checked_in_two_batches_at_least() -> None:
     small = torch.utils.data.Subset(Squares(), range(6))
     result = check_thread_safety(lambda: DataLoader(small, batch_size=32), 2)
-    assert ThreadSafety("agreed", 2, 6) == result
+    assert ("agreed", 2, 6) == (result.verdict, result.threads, result.samples)
 
 
 def _factory(dataset: Dataset[Any]) -> Any:

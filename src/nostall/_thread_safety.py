@@ -11,11 +11,13 @@ first samples (at most :data:`MAX_SAMPLES`), batched and collated as the loader 
    watched: a dataset or collate_fn that draws from them, or whose samples differ between the
    two loads (a generator of its own), cannot be checked (``random``): a difference under
    threads would not say whether threads caused it;
-2. twice with ``threads=N``, each from a loader freshly built (its caches empty, so that
-   filling them races too), the global generators put back first: a sample that differs
-   from the one-thread load (``differed``), or an error that one thread did not meet
-   (``raised``), says the dataset is not thread-safe; if all agree, nothing was seen
-   (``agreed``).
+2. with ``threads=N``, each pass from a loader freshly built (its caches empty, so that
+   filling them races too), the global generators put back first, each call started at once
+   with the other threads' (a barrier) and the interpreter switching threads every few
+   microseconds: at least :data:`MIN_PASSES` passes, more while within :data:`BUDGET_S`
+   (a cheap dataset gets many chances). A sample that differs from the one-thread load
+   (``differed``), or an error that one thread did not meet (``raised``), says the dataset is
+   not thread-safe; if all agree, nothing was seen (``agreed``).
 
 A race that did not happen in these loads is not seen: ``agreed`` is evidence, not proof.
 Only ``differed`` and ``raised`` keep threads from being tried.
@@ -28,19 +30,28 @@ import dataclasses
 import math
 import random
 import sys
+import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from ._prefetcher import prefetch
 from ._torch_compat import auto_collation
 
 #: The most samples the check loads per pass (four passes; one kept).
 MAX_SAMPLES = 64
+#: The interpreter's thread switch interval during the threaded passes (default 5 ms).
+SWITCH_S = 1e-6
+#: The threaded passes: at least MIN_PASSES, then more while within BUDGET_S, up to MAX_PASSES.
+#: Each pass is another chance for a race to show; a cheap dataset gets many.
+MIN_PASSES, MAX_PASSES, BUDGET_S = 2, 32, 1.0
+#: How long a call waits for the other threads' before it goes on alone.
+BARRIER_S = 0.05
 #: The longest a pass waits for one batch: a dataset that deadlocks under threads fails.
 TIMEOUT_S = 120.0
 
@@ -59,6 +70,8 @@ class ThreadSafety:
     differed: tuple[int, int] | None = None
     #: What was raised ("raised"), or why the check could not decide ("random", "failed").
     why: str = ""
+    #: For "agreed": how many times the threads loaded the samples.
+    passes: int = 0
 
     @property
     def unsafe(self) -> bool:
@@ -70,14 +83,17 @@ class ThreadSafety:
         n = self.threads
         if self.verdict == "agreed":
             return (
-                f"thread safety: {n} threads loaded the same {self.samples} samples as one "
-                f"thread, twice (a check, not a proof)."
+                f"thread safety: {n} threads, starting their calls together, loaded the same "
+                f"{self.samples} samples as one thread, {self.passes} times over (a check, "
+                f"not a proof: a rare race can still escape it)."
             )
         if self.unsafe:
             if self.differed is not None:
                 first, last = self.differed
                 which = (
-                    f"sample {first}" if first == last else f"the batch of samples {first}-{last}"
+                    f"dataset[{first}]"
+                    if first == last
+                    else f"the batch of dataset[{first}] to dataset[{last}]"
                 )
                 what = f"{which} came out other than one thread loaded it"
             else:
@@ -85,8 +101,9 @@ class ThreadSafety:
             return (
                 f"thread safety: NOT thread-safe: with {n} threads at once, {what}, so threads "
                 f"were not tried. Its __getitem__ shares something between calls (a file "
-                f"position used by seek then read, a decoder, a cache): give each thread its "
-                f"own (os.pread, threading.local()), or keep worker processes."
+                f"position used by seek then read, a decoder, a cache): read with os.pread, or "
+                f"open each handle on first use in each thread (threading.local()); worker "
+                f"processes share a file opened before they start, too."
             )
         return f"thread safety: not checked: {self.why}."
 
@@ -109,8 +126,9 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
 
     def load(threads: int, fresh: bool = True) -> Generator[Any, None, None]:
         source = build() if fresh else loader  # a fresh dataset: its caches empty
+        dataset = source.dataset if threads == 1 else _in_step(source.dataset, threads)
         check = DataLoader(
-            source.dataset,
+            dataset,
             batch_size=batch_size,
             sampler=range(count),
             collate_fn=source.collate_fn,
@@ -145,9 +163,16 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
                 )
     except Exception as e:
         return ThreadSafety("failed", threads, count, why=f"loading raised {type(e).__name__}")
-    for _ in range(2):
+    deadline = time.monotonic() + BUDGET_S
+    passes = 0
+    while passes < MIN_PASSES or (passes < MAX_PASSES and time.monotonic() < deadline):
+        passes += 1
         try:
-            with _global_generators(), contextlib.closing(load(threads)) as loaded:
+            with (
+                _global_generators(),
+                _switching_often(),
+                contextlib.closing(load(threads)) as loaded,
+            ):
                 item = _first_difference(reference, loaded)
         except Exception as e:  # one thread loaded these samples without it
             return ThreadSafety("raised", threads, count, why=f"{type(e).__name__}: {e}"[:200])
@@ -156,7 +181,61 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
             first = item * size
             where = (first, min(first + size, count) - 1)
             return ThreadSafety("differed", threads, count, differed=where)
-    return ThreadSafety("agreed", threads, count)
+    return ThreadSafety("agreed", threads, count, passes=passes)
+
+
+class _InStep(Dataset[Any]):
+    """The dataset, each call started at once with the other threads' (a barrier of N).
+
+    A race needs two calls inside the same steps at the same time; calls that start together
+    (after the same wait for I/O, say) meet there far more often than calls that drift.
+    When fewer calls come than threads (an epoch's end), the barrier gives up after a while.
+    """
+
+    def __init__(self, dataset: Any, threads: int) -> None:
+        self.dataset = dataset
+        self.barrier = threading.Barrier(threads)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _together(self) -> None:
+        try:
+            self.barrier.wait(timeout=BARRIER_S)
+        except threading.BrokenBarrierError:
+            self.barrier.reset()  # some thread came alone: go on, and meet again later
+
+    def __getitem__(self, index: Any) -> Any:
+        self._together()
+        return self.dataset[index]
+
+
+class _InStepItems(_InStep):
+    """:class:`_InStep` for a dataset that fetches a batch at once (``__getitems__``)."""
+
+    def __getitems__(self, indices: Any) -> Any:
+        self._together()
+        return self.dataset.__getitems__(indices)
+
+
+def _in_step(dataset: Any, threads: int) -> _InStep:
+    getitems = callable(getattr(dataset, "__getitems__", None))
+    return (_InStepItems if getitems else _InStep)(dataset, threads)
+
+
+@contextmanager
+def _switching_often() -> Iterator[None]:
+    """Threads switch every few microseconds meanwhile, not every 5 ms.
+
+    A race in Python code needs a switch between two of its steps (a seek and its read): the
+    shorter the interval, the more often the threads interleave there.
+    """
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 @contextmanager
