@@ -162,6 +162,17 @@ def test_a_best_within_the_spread_of_the_loop_as_built_is_no_speed_up() -> None:
     assert diagnosis.to_dict()["speedup"] is None
 
 
+def test_a_best_that_is_the_loop_as_built_says_so() -> None:
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(115.0, 130.0, 125.0))
+    diagnosis.with_nostall = (Setting(0, None), diagnosis.with_nostall[1])
+    diagnosis.factory_workers = 0  # make_loader(num_workers=0): what the loop as built uses
+    assert "no setting is measurably faster: the best found is your loop as built " in (
+        diagnosis.summary()
+    )
+    diagnosis.factory_workers = 2  # the factory's own is 2 workers: num_workers=0 is another
+    assert "the best found, num_workers=0, no prefetcher, ran at" in diagnosis.summary()
+
+
 def test_a_best_beyond_the_spread_is_a_speed_up_of_the_medians() -> None:
     diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
     assert diagnosis.speedup == pytest.approx(230.0 / 110.0)

@@ -8,6 +8,7 @@ device-resident batch (compute only), and the two together; then a search over l
 from __future__ import annotations
 
 import html
+import inspect
 import json
 import os
 import statistics
@@ -78,6 +79,8 @@ class Diagnosis:
     without_nostall: tuple[Setting, Rate]
     device: str
     code: str = ""  # the change to make, as code (empty when nothing is measurably faster)
+    #: The factory's own num_workers (its default), when it has one: the loop as built uses it.
+    factory_workers: int | None = None
 
     @property
     def bound(self) -> str:
@@ -117,10 +120,14 @@ class Diagnosis:
         ]
         speedup = self.speedup
         if speedup is None:
-            lines.append(
-                f"no setting is measurably faster: the best found, {setting.describe()}, ran at "
-                f"{rate}, within the spread of yours."
+            yours = setting.depth is None and setting.num_workers in (None, self.factory_workers)
+            found = (
+                f"the best found is your loop as built ({setting.describe()}), at {rate}"
+                if yours
+                else f"the best found, {setting.describe()}, ran at {rate}, within the spread of "
+                f"yours"
             )
+            lines.append(f"no setting is measurably faster: {found}.")
         else:
             lines.append(f"measurably faster: {setting.describe()}, {rate}: {speedup:.2f}x yours.")
             lines.append(f"change your code to:\n{self.code}")
@@ -324,6 +331,7 @@ def diagnose(
         load, step_rate, as_built, search, (search.best, ours), (plain, theirs), str(dev)
     )
     diagnosis.code = recommend(factory, diagnosis.best[0], dev, transform)
+    diagnosis.factory_workers = _default_workers(factory)
     done = total
     say("done")
     return diagnosis
@@ -401,3 +409,12 @@ def write_reports(diagnosis: Diagnosis, json_path: str | None, html_path: str | 
         Path(json_path).write_text(json.dumps(diagnosis.to_dict(), indent=2) + "\n")
     if html_path:
         Path(html_path).write_text(diagnosis.to_html())
+
+
+def _default_workers(factory: Callable[..., Any]) -> int | None:
+    """The ``num_workers`` the factory uses when not given one (None: not an int default)."""
+    try:
+        default = inspect.signature(factory).parameters["num_workers"].default
+    except (KeyError, TypeError, ValueError):
+        return None
+    return default if isinstance(default, int) and not isinstance(default, bool) else None
