@@ -49,6 +49,7 @@ from ._exceptions import (
 from ._iteration import PrefetchIterator
 from ._prefetcher import Prefetcher, prefetch
 from ._profile import Profiled, StallReport, profile
+from ._thread_safety import ThreadSafety
 from ._tune import Setting, TuneResult, tune
 
 __version__ = "0.1.0"
@@ -65,6 +66,7 @@ __all__ = [
     "ProfilingDisabledError",
     "Setting",
     "StallReport",
+    "ThreadSafety",
     "TuneResult",
     "__version__",
     "collate_uint8",
