@@ -391,3 +391,50 @@ def test_a_dataset_with_getitems_gets_whole_batches() -> None:
 
     loader = DataLoader(Batched(10), batch_size=4)
     assert_same_batches(list(loader), nostall.prefetch(loader, "cpu", threads=2))
+
+
+# -- pin_memory=True: pinned as the loader's own iterator pins --------------------------------
+
+
+def test_pin_memory_is_decided_as_the_loaders_iterator_decides() -> None:
+    """Here (no accelerator) neither pins; the premise: the same rule as _BaseDataLoaderIter."""
+    from nostall._torch_compat import pinning_like
+
+    plain = DataLoader(Numbers(), batch_size=4, pin_memory=False)
+    assert pinning_like(plain) is None
+    assert not iter(plain)._pin_memory  # type: ignore[attr-defined]
+    pinning = DataLoader(Numbers(), batch_size=4, pin_memory=True)
+    assert pinning_like(pinning) is None
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        assert not iter(pinning)._pin_memory  # type: ignore[attr-defined]
+
+
+def test_pin_memory_batches_go_through_torchs_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an accelerator (pretended), every batch is pinned with torch's own helper.
+
+    As the loader's iterator pins it: the same calls, the same batches.
+    """
+    from torch.utils.data._utils import pin_memory as pin_memory_utils
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    pinned: list[tuple[int, str]] = []
+
+    def pin(batch: Any, device: str) -> Any:
+        pinned.append((int(batch[0][0]), device))
+        return [batch[0] + 1000, batch[1]]  # marked: the pinned copy is what is handed out
+
+    monkeypatch.setattr(pin_memory_utils, "pin_memory", pin)
+    loader = DataLoader(Numbers(12, draw=False), batch_size=4, pin_memory=True)
+    expected = first_parts(loader)
+    by_loader, pinned[:] = list(pinned), []
+    assert first_parts(nostall.prefetch(loader, "cpu", threads=2)) == expected
+    assert by_loader == pinned == [(0, "cuda"), (4, "cuda"), (8, "cuda")]
+    assert [1000, 1001, 1002, 1003] == expected[0]
+
+
+@pytest.mark.cuda
+def test_pin_memory_batches_are_pinned_on_a_gpu_machine() -> None:
+    loader = DataLoader(Numbers(12), batch_size=4, pin_memory=True)
+    batches = list(nostall.prefetch(loader, "cpu", threads=2))
+    assert all(b[0].is_pinned() and b[1].is_pinned() for b in batches)

@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ._exceptions import add_note
 from ._exit import track
-from ._torch_compat import auto_collation, index_sampler
+from ._torch_compat import auto_collation, index_sampler, pinning_like
 
 #: Seconds a loading thread waits for work before it ends.
 IDLE_S = 0.2
@@ -220,6 +220,7 @@ class ThreadedEpoch(Iterator[Any]):
         _install_worker_info()
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self.pin = pinning_like(loader)  # pin_memory=True: pinned as the loader's would be
         self.auto = auto_collation(loader)
         getitems = getattr(self.dataset, "__getitems__", None)
         self.getitems = getitems if self.auto and callable(getitems) else None
@@ -248,8 +249,10 @@ class ThreadedEpoch(Iterator[Any]):
         futures = self.pending.popleft()
         samples = [f.result() for f in futures]  # the first failed sample's error, if any
         if self.auto and self.getitems is None:
-            return self.collate(samples)
-        return self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
+            batch = self.collate(samples)
+        else:
+            batch = self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
+        return batch if self.pin is None else self.pin(batch)
 
     def _start_next(self) -> bool:
         """Queue the next batch's samples; False at the end of the sampler."""

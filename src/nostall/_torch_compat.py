@@ -10,6 +10,8 @@ A worker process that died while handing a batch over can make the multi-process
 re-raise a bare ``EOFError`` or ``ConnectionResetError`` from the fd-sharing connection before
 it notices the death itself; :func:`dead_workers_behind` finds that iterator (``self`` in the
 traceback's frames) and reads its ``_workers``, so the error can say which worker died.
+``threads=`` pins a batch as the loader's iterator would, with torch's private ``pin_memory``
+helper (:func:`pinning_like`).
 All were checked against the torch versions in :data:`CHECKED_TORCH`;
 ``tests/test_torch_compat.py`` fails on any other version until they are checked again.
 """
@@ -19,9 +21,12 @@ from __future__ import annotations
 import copy
 import signal
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import pin_memory as pin_memory_utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 #: The torch releases (major.minor) whose DataLoader internals these functions were checked on.
@@ -47,6 +52,21 @@ def copy_loader(loader: L, **attributes: Any) -> L:
     for name, value in attributes.items():
         object.__setattr__(clone, name, value)
     return clone
+
+
+def pinning_like(loader: DataLoader[Any]) -> Callable[[Any], Any] | None:
+    """What the loader's own iterator does to a batch for ``pin_memory=True``, or None.
+
+    As ``_BaseDataLoaderIter`` decides: only with an accelerator, never on MPS; the batch's
+    tensors are copied into memory pinned for that accelerator.
+    """
+    if not loader.pin_memory or not torch.accelerator.is_available():
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type == "mps":
+        return None
+    device = accelerator.type
+    return lambda batch: pin_memory_utils.pin_memory(batch, device)  # type: ignore[no-untyped-call]
 
 
 def index_sampler(loader: DataLoader[Any]) -> Any:
