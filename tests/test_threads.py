@@ -438,3 +438,20 @@ def test_pin_memory_batches_are_pinned_on_a_gpu_machine() -> None:
     loader = DataLoader(Numbers(12), batch_size=4, pin_memory=True)
     batches = list(nostall.prefetch(loader, "cpu", threads=2))
     assert all(b[0].is_pinned() and b[1].is_pinned() for b in batches)
+
+
+def test_a_worker_init_fn_is_not_called_and_the_user_is_told() -> None:
+    called: list[int] = []
+
+    def open_per_worker(worker_id: int) -> None:
+        called.append(worker_id)
+
+    loader = DataLoader(Numbers(8), batch_size=4, worker_init_fn=open_per_worker)
+    with pytest.warns(
+        UserWarning, match=r"worker_init_fn \('.*open_per_worker'\) is not called"
+    ) as w:
+        batches = list(nostall.prefetch(loader, "cpu", threads=2))
+    assert __file__ == w[0].filename  # at the user's line
+    assert "threading.local(), get_worker_info().id" in str(w[0].message)
+    assert 2 == len(batches)
+    assert [] == called

@@ -53,12 +53,12 @@ def default_device() -> torch.device:
             f"CUDA device is still cuda:0; call torch.cuda.set_device({rank}) at the start of "
             f"each rank (or pass device=...) so that the model and the batches are on the same "
             f"GPU",
-            stacklevel=_caller_outside_nostall(),
+            stacklevel=caller_outside_nostall(),
         )
     return torch.device("cuda", rank)
 
 
-def _caller_outside_nostall() -> int:
+def caller_outside_nostall() -> int:
     """The ``stacklevel`` that points a warning raised by this function's caller at user code.
 
     The first frame outside the ``nostall`` package, so that the warning names the user's line

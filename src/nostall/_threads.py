@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import random
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -49,6 +50,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
+from ._device import caller_outside_nostall
 from ._exceptions import add_note
 from ._exit import track
 from ._torch_compat import auto_collation, index_sampler, pinning_like
@@ -68,6 +70,8 @@ def check_threadable(source: object, threads: object) -> int | None:
         ValueError: ``threads`` < 1; a loader with worker processes (``num_workers > 0``: the
             threads replace them, so build it without); an ``IterableDataset``; a DataLoader
             subclass with its own ``__iter__`` (accelerate's, torchdata's stateful one).
+
+    Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it.
     """
     if threads is None:
         return None
@@ -101,6 +105,17 @@ def check_threadable(source: object, threads: object) -> int | None:
         raise ValueError(
             f"threads= cannot load this DataLoader: {why}; leave threads out (num_workers= "
             "loads in processes), or build a plain DataLoader over a map-style dataset"
+        )
+    if loader.worker_init_fn is not None:
+        warnings.warn(
+            f"nostall.prefetch(threads={threads}): this DataLoader's worker_init_fn "
+            f"({getattr(loader.worker_init_fn, '__qualname__', loader.worker_init_fn)!r}) is not "
+            f"called: loading threads are not worker processes, and they share one dataset "
+            f"object. If it opens a file or seeds a generator per worker, do that on first use in "
+            f"each thread instead (threading.local(), get_worker_info().id), or draw from "
+            f"torch.thread_safe_generator(); leave threads out to keep worker processes",
+            UserWarning,
+            stacklevel=caller_outside_nostall(),
         )
     return threads
 
