@@ -70,6 +70,7 @@ def main() -> None:
     # while another still talks to it can abort the other's gloo threads.
     dist.barrier()
     dist.destroy_process_group()
+    print(f"rank {rank}: done", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_torchrun_finished
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES, EPOCHS, BATCH = 80, 3, 8  # as in the example: 40 samples, 5 batches per rank and epoch
@@ -116,7 +117,9 @@ out = [None] * dist.get_world_size()
 dist.all_gather_object(out, seen)
 if dist.get_rank() == 0:
     print("SEEN", out)
+rank = dist.get_rank()
 dist.destroy_process_group()
+print(f"rank {rank}: done", flush=True)
 """
 
 
@@ -131,7 +134,7 @@ def test_loading_threads_with_shard_give_each_rank_its_part(tmp_path: Path) -> N
          str(script)],
         capture_output=True, text=True, timeout=120, env=env, check=False,
     )  # fmt: skip
-    assert 0 == done.returncode, done.stderr[-3000:]
+    assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
     line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
     ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0
     for epoch in range(2):
