@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nostall-installed
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: bench test test-perf test-cuda bench-cuda lint typecheck check clean
+.PHONY: bench test test-perf test-cuda bench-cuda gpu-check lint typecheck check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ bench-cuda: $(STAMP)
 	$(VENV)/bin/nostall bench --device cuda --json out/bench-cuda.json --plot out/bench-cuda.png
 	$(PY) benchmarks/h2d.py
 	$(PY) benchmarks/gpu_transforms.py --device cuda
+
+# On a GPU machine as it is (offline, torch already installed): no venv made, nothing installed.
+# The CUDA tests, the simulated suite, the GPU benchmarks and the suite, figures in GPU_CHECK_OUT;
+# without a GPU it runs what it can and skips the rest.
+GPU_CHECK_OUT ?= out/gpu-check
+gpu-check:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

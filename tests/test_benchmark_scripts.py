@@ -47,3 +47,30 @@ def test_h2d_refuses_without_a_gpu() -> None:
     done = run("h2d.py")
     assert 1 == done.returncode
     assert "needs a CUDA device" in done.stderr
+
+
+def test_gpu_check_without_a_gpu_skips_what_needs_one(tmp_path: Path) -> None:
+    """`make gpu-check` on a machine without CUDA: GPU steps skipped, exit 0, a summary."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: gpu-check runs those steps")
+    done = run("gpu_check.py", "--out", str(tmp_path), "--only", "cuda-tests,h2d,bench-cuda,suite")
+    assert 0 == done.returncode, done.stdout + done.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    for step in ("cuda-tests", "h2d", "bench-cuda", "suite"):
+        assert f"| {step} | skipped (no CUDA device" in summary
+
+
+def test_gpu_check_fails_when_a_step_fails(tmp_path: Path) -> None:
+    """A step that fails makes the whole check exit 1, and the summary names it."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    step = gpu_check.Step("boom", ("-c", "raise SystemExit(3)"), 30, False, "exits 3")
+    outcome = gpu_check.run_step(step, tmp_path / "steps.log")
+    assert ("failed", 3) == (outcome.status, outcome.returncode)
+    slow = gpu_check.Step("slow", ("-c", "import time; time.sleep(60)"), 0.5, False, "sleeps")
+    assert "timed out" == gpu_check.run_step(slow, tmp_path / "steps.log").status
