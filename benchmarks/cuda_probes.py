@@ -56,28 +56,35 @@ def reserved_per_epoch() -> None:
 
 def graph_capture_while_prefetching() -> None:
     """Capture a small graph while the producer is busy, in each capture error mode."""
-    slow = [torch.randn(2048, 2048) for _ in range(64)]  # 16 MiB, pinned then copied
+    pageable = [torch.randn(4096, 4096) for _ in range(24)]  # 64 MiB: pinning takes a while
     model = torch.nn.Linear(64, 64, device="cuda")
     static = torch.randn(8, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(static)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     for mode in ("global", "thread_local", "relaxed"):
-        batches = nostall.prefetch(slow, "cuda", depth=4)
+        batches = nostall.prefetch(pageable, "cuda", depth=1)
         it = iter(batches)
-        next(it)  # the producer is now running ahead: pinning and copying
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        outcome = "captured"
+        captured = 0
         try:
-            with torch.cuda.stream(side):
-                model(static)  # warm-up outside capture
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph, capture_error_mode=mode):
-                model(static)
-            graph.replay()
+            for _ in range(8):
+                # Taking a batch frees the one slot: the producer starts pinning and copying
+                # the next one (cudaHostAlloc, a copy, an event) while the capture runs.
+                next(it)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode=mode):
+                    for _ in range(50):
+                        model(static)
+                graph.replay()
+                captured += 1
             rest = sum(1 for _ in it)
-            outcome += f", replayed; the epoch's other {rest} batches arrived"
+            outcome = f"8 of 8 captured and replayed; the epoch's other {rest} batches arrived"
         except Exception as e:  # the finding is the error itself
-            outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            first = str(e).splitlines()[0][:160] if str(e) else ""
+            outcome = f"{captured} captured, then {type(e).__name__}: {first}"
         finally:
             batches.close()
         try:

@@ -131,10 +131,15 @@ def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     Read from the profiler's raw memory records (every allocation and free, in time order),
     so temporaries an op allocates and frees before returning count too.
     """
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
+    with warnings.catch_warnings():
+        # torch 2.11 warns that a profiler keeps one cycle's events; one cycle is all we read.
+        warnings.filterwarnings("ignore", "Profiler clears events", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
     assert prof.profiler is not None
     records = sorted(
         (e.start_ns(), e.nbytes())

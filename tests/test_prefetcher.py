@@ -916,7 +916,7 @@ def test_cuda_canary_without_the_wait(monkeypatch: pytest.MonkeyPatch, consumer:
     """The check has teeth: without the consumer's wait, a read right away overtakes the copy."""
     from nostall._staging import CudaStaging
 
-    monkeypatch.setattr(CudaStaging, "_wait", lambda consumer, ready: None)
+    monkeypatch.setattr(CudaStaging, "_wait", staticmethod(lambda consumer, ready: None))
     # 16 MiB batches and a consumer that does nothing else: each read is queued while its
     # copy is still running.
     p = nostall.prefetch(_filled(40, 1 << 22), "cuda", depth=2)
@@ -930,7 +930,9 @@ def test_cuda_canary_without_record_stream(monkeypatch: pytest.MonkeyPatch, cons
     """The check has teeth: without record_stream, a late read sees a later batch's copy."""
     from nostall._staging import CudaStaging
 
-    monkeypatch.setattr(CudaStaging, "_keep_for_consumer", lambda consumer, tensors: None)
+    monkeypatch.setattr(
+        CudaStaging, "_keep_for_consumer", staticmethod(lambda consumer, tensors: None)
+    )
     p = nostall.prefetch(_filled(300), "cuda", depth=2)
     check = _check_stream_safety if consumer == "default" else _check_on_a_side_stream
     assert check(p, 300, True) > 0

@@ -81,20 +81,27 @@ def test_cuda_run_concurrently_prevents_the_seed_004_race() -> None:
     """
     n = 1 << 26
 
-    def fill() -> torch.Tensor:
+    def fill(x: torch.Tensor) -> None:
         torch.cuda._sleep(50_000_000)  # keep the default stream busy
-        x = torch.empty(n, device="cuda")
         x.fill_(1.0)
-        return x
+
+    # Every allocation is made before the race: a cudaMalloc (a stream's first allocation of
+    # a size) may synchronise the whole device and so hide the race (seen on an H100: the
+    # test passed the wrong example when x and the side stream's sum output were new blocks).
+    x = torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x.sum()  # the side stream's pool now holds what a sum allocates
+    torch.cuda.synchronize()
 
     # The seed's documented wrong example: no wait before using x on a new stream.
-    x = fill()
-    side = torch.cuda.Stream()
+    fill(x)
     with torch.cuda.stream(side):
         wrong = x.sum()
     torch.cuda.synchronize()
     assert float(wrong) != float(n)  # it read x before fill_ finished
 
-    x = fill()
+    x.zero_()
+    fill(x)
     (right,) = nostall.cuda.run_concurrently(lambda: x.sum())
     assert float(right) == float(n)
