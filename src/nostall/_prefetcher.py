@@ -26,7 +26,7 @@ from ._source_checks import (
     describe,
     refuse_unsupported,
     warn_about_epochs,
-    warn_inexact_stateful_resume,
+    warn_inexact_resume,
 )
 from ._staging import CudaStaging, Staging
 from ._threads import check_threadable
@@ -354,8 +354,7 @@ class Prefetcher(Generic[T]):
         lineage = self._lineage
         self._resolve_shard()
         at = loaded_position(state, lineage.epochs, self._staging.transform, lineage.at)
-        if lineage.epochs.stateful:
-            warn_inexact_stateful_resume(self._source)
+        warn_inexact_resume(self._source, at.epoch, at.handed_out, lineage.epochs.stateful)
         active = lineage.active_iteration()
         if active is not None:
             active._stop("load_state_dict() was called on the Prefetcher")

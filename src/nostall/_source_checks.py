@@ -13,8 +13,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, accelerate_is_active, is_dispatcher, prepared_loader_types
+from ._device import caller_outside_nostall
 from ._epochs import has_unreadable_set_epoch
 from ._sharding import distributed_world, is_sharded, unsharded_warning
+from ._webdataset import shuffle_warning, unreplayable_shuffles
 
 
 def describe(source: object) -> str:
@@ -85,7 +87,25 @@ def warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
         )
 
 
-def warn_inexact_stateful_resume(source: object) -> None:
+def warn_inexact_resume(source: object, epoch: int, handed_out: int, stateful: bool) -> None:
+    """At ``load_state_dict``: say where a resume cannot give the uninterrupted run's batches.
+
+    ``epoch`` is resumed after ``handed_out`` of its batches. A webdataset shuffle that cannot
+    be drawn again is named for what it is; it then stands for the general warning about a
+    stateful loader's IterableDataset, which it explains.
+    """
+    shuffles = unreplayable_shuffles(source, epoch, handed_out)
+    if shuffles:
+        warnings.warn(
+            shuffle_warning(shuffles, epoch, handed_out),
+            UserWarning,
+            stacklevel=caller_outside_nostall(),
+        )
+    if stateful:
+        warn_inexact_stateful_resume(source, iterable_dataset=not shuffles)
+
+
+def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) -> None:
     """Say where a source's own ``state_dict`` cannot resume exactly (torchdata's loader)."""
     generator = getattr(source, "generator", None)
     if isinstance(generator, torch.Generator):
@@ -98,10 +118,14 @@ def warn_inexact_stateful_resume(source: object) -> None:
             "restore it before the next epoch, or use a plain DataLoader (nostall then "
             "replays its generator)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=caller_outside_nostall(),
         )
     dataset = getattr(source, "dataset", None)
-    if isinstance(dataset, IterableDataset) and not callable(getattr(dataset, "state_dict", None)):
+    if (
+        iterable_dataset
+        and isinstance(dataset, IterableDataset)
+        and not callable(getattr(dataset, "state_dict", None))
+    ):
         warnings.warn(
             f"nostall: this loader resumes its {type(dataset).__qualname__} (an "
             f"IterableDataset without state_dict) by iterating it again and skipping what was "
@@ -109,7 +133,7 @@ def warn_inexact_stateful_resume(source: object) -> None:
             f"shuffles from the global random state does not. Give the dataset "
             f"state_dict()/load_state_dict()",
             UserWarning,
-            stacklevel=3,
+            stacklevel=caller_outside_nostall(),
         )
 
 

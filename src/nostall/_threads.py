@@ -66,10 +66,13 @@ def check_threadable(source: object, threads: object) -> int | None:
     """``threads`` as given to ``prefetch``: None, or an int >= 1 over a map-style DataLoader.
 
     Raises:
-        TypeError: ``threads`` is not an int, or the source is not a ``DataLoader``.
-        ValueError: ``threads`` < 1; a loader with worker processes (``num_workers > 0``: the
-            threads replace them, so build it without); an ``IterableDataset``; a DataLoader
-            subclass with its own ``__iter__`` (accelerate's, torchdata's stateful one).
+        TypeError: ``threads`` is not an int, or the source is not a ``DataLoader`` (an
+            ``IterableDataset`` is told to leave threads out).
+        ValueError: ``threads`` < 1; then, in this order, so that the first refusal's fix is
+            one that works: an ``IterableDataset``, or a DataLoader subclass with its own
+            ``__iter__`` (accelerate's, torchdata's stateful one), which no setting makes
+            threadable; a loader with worker processes (``num_workers > 0``: the threads
+            replace them, so build it without).
 
     Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it.
     """
@@ -82,18 +85,21 @@ def check_threadable(source: object, threads: object) -> int | None:
         )
     if threads < 1:
         raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
+    if isinstance(source, IterableDataset):  # a webdataset pipeline, WebLoader, HF's stream
+        raise TypeError(
+            f"threads= fetches a DataLoader's samples by index, and "
+            f"{type(source).__qualname__} is an IterableDataset, which can only be iterated "
+            f"in order: leave threads out (a DataLoader's num_workers= loads it in processes)"
+        )
     if not isinstance(source, DataLoader):  # accelerate's loaders claim the class: see below
         raise TypeError(
             f"threads= loads a torch.utils.data.DataLoader's batches with threads; got "
             f"{type(source).__qualname__}: pass the DataLoader itself, or leave threads out"
         )
     loader: DataLoader[Any] = source
-    if loader.num_workers > 0:
-        raise ValueError(
-            f"threads= loads in place of the DataLoader's worker processes, and this one was "
-            f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "
-            f"threads do its loading), or leave threads out to keep the processes"
-        )
+    # What threads can never load is refused before what a changed argument would fix, so
+    # that following the first message reaches a working setting (an IterableDataset with
+    # num_workers=2 must not be told to drop its workers, only to be refused next).
     why = ""
     if isinstance(loader.dataset, IterableDataset):
         why = "its dataset is an IterableDataset, whose items cannot be fetched by index"
@@ -105,6 +111,12 @@ def check_threadable(source: object, threads: object) -> int | None:
         raise ValueError(
             f"threads= cannot load this DataLoader: {why}; leave threads out (num_workers= "
             "loads in processes), or build a plain DataLoader over a map-style dataset"
+        )
+    if loader.num_workers > 0:
+        raise ValueError(
+            f"threads= loads in place of the DataLoader's worker processes, and this one was "
+            f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "
+            f"threads do its loading), or leave threads out to keep the processes"
         )
     if loader.worker_init_fn is not None:
         warnings.warn(
