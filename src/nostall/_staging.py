@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _copy_streams
 from ._transfer import call_pin_memory, call_to, record_stream
 from ._tree import UNHANDLED, iter_tensors, map_tensors
 
@@ -102,8 +103,9 @@ class CudaStaging(Staging):
     while the next one is pinned) -> transform -> ready event.
 
     Invariants:
-        * One copy stream per instance, created here and never replaced (streams per epoch would
-          grow reserved memory).
+        * One copy stream per instance, borrowed here and never replaced (streams per epoch would
+          grow reserved memory), and lent to the next staging once this one is collected
+          (:mod:`nostall._copy_streams`): prefetchers made one after another share its pool.
         * A batch is handed out only after the consumer's current stream waits on the event
           recorded after its copies and transforms, so no kernel can read it early. When the
           source put tensors on the device, the copy stream first waits for the stream they
@@ -123,7 +125,7 @@ class CudaStaging(Staging):
     ) -> None:
         super().__init__(device, transform)
         self.pin = pin
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self.stream = _copy_streams.LENDER.lend(device, self)
 
     def start_thread(self) -> None:
         """Also make the target the producer thread's current device (pinning, events use it)."""

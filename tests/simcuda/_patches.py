@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+import nostall._copy_streams
+
 from ._hazards import Kind
 from ._simulation import SimEvent, SimStream, active, device_index
 from ._tensor import (
@@ -244,6 +246,8 @@ def replacements() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "is_pinned", _is_pinned),
         (torch.Tensor, "record_stream", _record_stream),
     ]
+    # Streams nostall lends to its prefetchers belong to one (simulated) CUDA world.
+    out.append((nostall._copy_streams, "LENDER", nostall._copy_streams.CopyStreams()))
     for name in _FACTORIES:
         out.append((torch, name, _factory(getattr(torch, name), name)))
     for name in ("tensor", "as_tensor"):
