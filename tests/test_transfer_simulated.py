@@ -9,7 +9,9 @@ hide a missing ``record_stream`` or wait.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -639,4 +641,168 @@ def test_a_lent_copy_stream_is_reused_safely_by_the_next_prefetcher(sim: Simulat
     del kept
     torch.cuda.synchronize()
     _same([o.cpu() for o in outs], _expected(_images(2)))
+    assert sim.hazards == []
+
+
+# --- every device tensor handed out is protected (issue: unprotected tensors) ----------------
+
+
+class Tagged(torch.Tensor):
+    """A Tensor subclass that may carry more tensors in its attributes."""
+
+
+class KeptIn:
+    """A batch whose ``.to()`` keeps its copy in a container of ``kind`` (pinned first)."""
+
+    def __init__(self, x: torch.Tensor, kind: str) -> None:
+        self.x, self.kind = x, kind
+        self.held = self._hold(x)
+
+    def _hold(self, x: torch.Tensor) -> Any:
+        if self.kind == "deque":
+            return collections.deque([x])
+        if self.kind == "set":
+            return {x}
+        if self.kind == "frozenset":
+            return frozenset([x])
+        tagged = torch.zeros(1).as_subclass(Tagged)
+        tagged.payload = x  # type: ignore[attr-defined]
+        return tagged
+
+    def to(self, device: Any, non_blocking: bool = False) -> KeptIn:
+        out = KeptIn.__new__(KeptIn)
+        out.kind = self.kind
+        out.x = None  # type: ignore[assignment]
+        out.held = out._hold(self.x.to(device, non_blocking=non_blocking))
+        return out
+
+    def pin_memory(self) -> KeptIn:
+        return KeptIn(self.x.pin_memory(), self.kind)
+
+    def tensor(self) -> torch.Tensor:
+        if isinstance(self.held, Tagged):
+            return self.held.payload  # type: ignore[attr-defined,no-any-return]
+        return next(iter(self.held))  # type: ignore[no-any-return]
+
+
+def _consume_dropping(sim: Simulation, batches: Any, consumer: str, read: Any) -> list[Any]:
+    """Read each batch on the consumer's stream and drop it at once, as a training loop does."""
+    stream = torch.cuda.Stream() if consumer == "side" else None
+    outs = []
+    with torch.cuda.stream(stream):
+        for batch in batches:
+            with sim.model_work():
+                outs.append(_model(read(batch)))
+            del batch
+    torch.cuda.synchronize()
+    return [o.cpu() for o in outs]
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+@pytest.mark.parametrize("kind", ["deque", "set", "frozenset", "tensor attribute"])
+def test_copies_an_object_keeps_anywhere_are_protected(
+    sim: Simulation, consumer: str, kind: str
+) -> None:
+    """A deque, a set, a frozenset, a Tensor subclass's attribute: record_stream reaches them."""
+    data = _images(8)
+    p = nostall.prefetch([KeptIn(x, kind) for x in data], "cuda", depth=2)
+    got = _consume_dropping(sim, p, consumer, lambda b: b.tensor())
+    _same(got, _expected(data))
+    assert sim.hazards == []
+
+
+class Hidden:
+    """A batch whose ``.to()`` result keeps its tensor in a closure, out of nostall's sight."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.get = lambda: x
+
+    def to(self, device: Any, non_blocking: bool = False) -> Hidden:
+        return Hidden(self.get().to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Hidden:
+        return Hidden(self.get().pin_memory())
+
+
+def test_tensors_nostall_cannot_find_are_warned_about_once(sim: Simulation) -> None:
+    """Where nostall cannot protect a batch's memory it says so, once per type, with the fix."""
+    p = nostall.prefetch([Hidden(x) for x in _images(3)], "cuda")
+    with pytest.warns(UserWarning, match=r"Hidden\.to\(\) returned a Hidden in which nostall") as w:
+        batches = list(p)
+    assert 3 == len(batches)
+    assert 1 == sum("cannot find" in str(x.message) for x in w)
+
+
+class Holder:
+    """Neither a container nor an object with ``.to()``: a plain attribute holder."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+def _held_on_the_device(n: int) -> Iterator[Holder]:
+    for i in range(n):
+        yield Holder(torch.full((4, 3, 8, 8), float(i), device="cuda"))
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_device_tensors_the_source_holds_in_plain_objects_are_protected(
+    sim: Simulation, consumer: str
+) -> None:
+    """No transform, a side-stream consumer: the source's own blocks are recorded for it."""
+    got = _consume_dropping(sim, nostall.prefetch(_held_on_the_device(6), "cuda"), consumer,
+                            lambda b: b.x)  # fmt: skip
+    _same(got, [_model(torch.full((4, 3, 8, 8), float(i))) for i in range(6)])
+    assert sim.hazards == []
+
+
+# --- dict-like batches with .to() and no .pin_memory() (Hugging Face's BatchEncoding) --------
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """As ``transformers.BatchEncoding``: a UserDict with ``.to()`` and no ``pin_memory()``."""
+
+    def to(self, device: Any, non_blocking: bool = False) -> Encoding:
+        return Encoding({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
+
+
+@dataclasses.dataclass
+class Fields:
+    """A dataclass batch with its own ``.to()`` and no ``pin_memory()``."""
+
+    ids: torch.Tensor
+
+    def to(self, device: Any, non_blocking: bool = False) -> Fields:
+        return Fields(self.ids.to(device, non_blocking=non_blocking))
+
+
+@pytest.mark.parametrize("make", [lambda x: Encoding({"ids": x}), Fields])
+def test_dict_like_batches_are_pinned_and_copied_asynchronously(sim: Simulation, make: Any) -> None:
+    """Values pinned as torch's pin_memory does, then one non_blocking .to(): no host sync."""
+    data = _images(4)
+    p = nostall.prefetch([make(x) for x in data], "cuda")
+    got = _consume_dropping(
+        sim, p, "side", lambda b: b["ids"] if isinstance(b, Encoding) else b.ids
+    )
+    _same(got, _expected(data))
+    assert sim.hazards == []
+
+
+class Opaque:
+    """``.to()`` only, its tensors pinned already, not a Mapping or dataclass."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, device: Any, non_blocking: bool = False) -> Opaque:
+        return Opaque(self.x.to(device, non_blocking=non_blocking))
+
+
+def test_objects_whose_tensors_are_all_pinned_go_non_blocking_without_a_warning(
+    sim: Simulation,
+) -> None:
+    data = _images(4)
+    p = nostall.prefetch([Opaque(x.pin_memory()) for x in data], "cuda")
+    got = _consume_dropping(sim, p, "side", lambda b: b.x)  # warnings are errors here
+    _same(got, _expected(data))
     assert sim.hazards == []

@@ -11,8 +11,11 @@ ready event and the batch's memory is kept for it (``record_stream``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -147,7 +150,11 @@ class CudaStaging(Staging):
                 self._keep_for_copy_stream(on_device)
             moved, transform_state = self._transform_step(moved)
             if self.transform is not None:
-                protect = [t for t in iter_tensors(moved) if t.is_cuda]
+                protect = []  # the transform's outputs replace the copies
+            # Every device tensor handed out is protected, also those the source put on the
+            # device itself inside an object nostall does not move (their blocks belong to
+            # the source thread's stream, whose next allocations could reuse them).
+            protect = _unique(protect + [t for t in iter_tensors(moved) if t.is_cuda])
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
         return Staged(moved, ready, protect, transform_state)
@@ -195,16 +202,20 @@ class CudaStaging(Staging):
         def move(obj: Any) -> Any:
             if not callable(getattr(obj, "to", None)):
                 return UNHANDLED
-            pinned = call_pin_memory(obj) if pin else UNHANDLED
-            if pinned is UNHANDLED and pin:
-                _warn_unpinnable(type(obj))
+            pinned = _pinned_object(obj) if pin else UNHANDLED
             # non_blocking only from pinned memory: from pageable memory the copy is
             # synchronous anyway, and a non_blocking one hides that.
             if pinned is UNHANDLED:
                 moved = call_to(obj, device, False)
             else:
                 moved = call_to(pinned, device, True)
-            out.extend(t for t in iter_tensors(moved) if t.is_cuda)
+            seen = _unique(list(iter_tensors(moved)))
+            found = [t for t in seen if t.is_cuda]
+            # Fewer tensors seen after .to() than before (or none on the device): it kept
+            # some where nostall cannot look, and cannot protect them.
+            if not found or len(seen) < len(_unique(list(iter_tensors(obj)))):
+                _warn_hidden_tensors(type(obj), type(moved))
+            out.extend(found)
             return moved
 
         return move
@@ -243,18 +254,82 @@ class CudaStaging(Staging):
             record_stream(t, consumer)
 
 
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without repeats (by identity), in order."""
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+
+
+def _pinned_object(obj: Any) -> Any:
+    """``obj`` ready for a ``non_blocking`` copy, or :data:`UNHANDLED` (then copied blocking).
+
+    In order: its own ``pin_memory()``; a Mapping or dataclass with ``.to()`` and no
+    ``pin_memory()`` (Hugging Face's ``BatchEncoding``, many collators' outputs) gets a copy
+    with its values pinned, as torch's own ``pin_memory`` treats a Mapping; an object whose
+    every tensor nostall can see is pinned already goes as it is. Anything else is warned
+    about once per type: its tensors may be pageable.
+    """
+    pinned = call_pin_memory(obj)
+    if pinned is not UNHANDLED:
+        return pinned
+    if isinstance(obj, Mapping) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        try:
+            return _with_pinned_values(obj)
+        except Exception:  # a type that cannot be copied so: a blocking copy is still correct
+            pass
+    tensors = list(iter_tensors(obj))
+    if tensors and all(t.device.type != "cpu" or t.is_pinned() for t in tensors):
+        return obj
+    _warn_unpinnable(type(obj))
+    return UNHANDLED
+
+
+def _with_pinned_values(obj: Any) -> Any:
+    """A shallow copy of a Mapping or dataclass ``obj`` whose values are pinned."""
+    pin = functools.partial(map_tensors, on_tensor=_pinned, on_object=call_pin_memory)
+    clone = copy.copy(obj)
+    if isinstance(obj, Mapping):
+        clone.update({k: pin(v) for k, v in obj.items()})
+    else:
+        for field in dataclasses.fields(obj):
+            object.__setattr__(clone, field.name, pin(getattr(obj, field.name)))
+    return clone
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+
+
 _UNPINNABLE_WARNED: set[type] = set()
+_HIDDEN_WARNED: set[type] = set()
 
 
 def _warn_unpinnable(kind: type) -> None:
-    """Once per type: its copies to the GPU are synchronous, and how to make them overlap."""
+    """Once per type: its copies to the GPU may be synchronous, and how to make them overlap."""
     if kind in _UNPINNABLE_WARNED:
         return
     _UNPINNABLE_WARNED.add(kind)
     warnings.warn(
-        f"{kind.__qualname__} objects have .to() but no .pin_memory(): nostall copies them to "
-        f"the GPU from pageable memory, which blocks the producer until each copy is done; "
-        f"give {kind.__qualname__} a pin_memory() method that returns a copy in pinned memory "
-        f"(as tensor.pin_memory() does) to let the copies overlap the model's work",
+        f"{kind.__qualname__} objects have .to() but no .pin_memory(), and nostall cannot see "
+        f"that all their tensors are pinned: their copies to the GPU may be from pageable "
+        f"memory, which blocks the producer until each copy is done; give "
+        f"{kind.__qualname__} a pin_memory() method that returns a copy in pinned memory (as "
+        f"tensor.pin_memory() does) to let the copies overlap the model's work",
+        stacklevel=2,
+    )
+
+
+def _warn_hidden_tensors(kind: type, moved: type) -> None:
+    """Once per type: what its ``.to()`` returned hides tensors nostall cannot protect."""
+    if kind in _HIDDEN_WARNED:
+        return
+    _HIDDEN_WARNED.add(kind)
+    warnings.warn(
+        f"{kind.__qualname__}.to() returned a {moved.__qualname__} in which nostall cannot find "
+        f"all the tensors it copied to the GPU (they are kept where nostall does not look: a C "
+        f"object, a closure, ...): their memory is not protected for your stream, and the "
+        f"caching allocator may hand it to the next batch's copy while your kernels still "
+        f"read it. Keep the tensors in attributes, fields, lists, tuples, dicts or sets, or "
+        f"synchronize (torch.cuda.current_stream().synchronize()) before dropping a batch",
         stacklevel=2,
     )

@@ -10,9 +10,10 @@ None, NumPy arrays, arbitrary objects) is a leaf returned unchanged.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from typing import Any, TypeVar
 
 import torch
@@ -109,7 +110,9 @@ def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:
     dataclass's fields, an object's attributes, each in order), so the first tensor of
     ``(images, labels)`` is ``images``. Used to find the tensors an object's own ``.to()``
     produced (to protect them from memory reuse across CUDA streams), to weigh a batch and to
-    count its samples. Each object is visited once.
+    count its samples. Each object is visited once. Deques, sets and frozensets are looked into
+    (in their iteration order), and so are the attributes of a Tensor subclass, which may keep
+    more tensors there: an object's ``.to()`` may keep its copies anywhere.
     """
     seen: set[int] = set()
     stack = [batch]
@@ -117,11 +120,14 @@ def iter_tensors(batch: Any) -> Iterator[torch.Tensor]:
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
             yield obj
+            if type(obj) is not torch.Tensor and id(obj) not in seen:
+                seen.add(id(obj))
+                stack.extend(reversed(list(getattr(obj, "__dict__", {}).values())))
             continue
         if type(obj) in _ATOMS or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, (tuple, list)):
+        if isinstance(obj, (tuple, list, collections.deque, Set)):
             children: list[Any] = list(obj)
         elif isinstance(obj, Mapping):
             children = list(obj.values())
