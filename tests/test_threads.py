@@ -440,6 +440,32 @@ def test_pin_memory_batches_are_pinned_on_a_gpu_machine() -> None:
     assert all(b[0].is_pinned() and b[1].is_pinned() for b in batches)
 
 
+class _MadeOnTheGpu(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample made on the current device; notes the stream its thread ran it on."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.streams = n, set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.streams.add(torch.cuda.current_stream().stream_id)
+        return torch.full((1024,), float(i), device="cuda")
+
+
+@pytest.mark.cuda
+def test_loading_threads_do_gpu_work_on_the_source_stream() -> None:
+    """Not on the legacy default stream (seen on an H100 before): on the prefetcher's own."""
+    dataset = _MadeOnTheGpu(64)
+    p = nostall.prefetch(DataLoader(dataset, batch_size=8), "cuda", threads=2)
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        sums = [float(b.sum()) for b in p]
+    assert [1024.0 * sum(range(8 * k, 8 * k + 8)) for k in range(8)] == sums
+    assert {p._staging.source_stream.stream_id} == dataset.streams  # type: ignore[attr-defined]
+
+
 def test_a_worker_init_fn_is_not_called_and_the_user_is_told() -> None:
     called: list[int] = []
 

@@ -806,3 +806,57 @@ def test_objects_whose_tensors_are_all_pinned_go_non_blocking_without_a_warning(
     got = _consume_dropping(sim, p, "side", lambda b: b.x)  # warnings are errors here
     _same(got, _expected(data))
     assert sim.hazards == []
+
+
+# --- loading threads on the prefetcher's device and stream (issue: threads= and GPU work) -----
+
+
+class DecodedOnTheGpu(torch.utils.data.Dataset[torch.Tensor]):
+    """Makes each sample on the current device, as ``decode_jpeg(device="cuda")`` does.
+
+    Notes the device and stream each call ran on.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self.lock:
+            self.seen.append((torch.cuda.current_device(), torch.cuda.current_stream().id))
+        return torch.full((3, 8, 8), float(i), device="cuda") * 2
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+def test_loading_threads_run_on_the_prefetchers_device_and_source_stream(
+    sim: Simulation, consumer: str, device: str
+) -> None:
+    """Samples the loading threads make on the GPU: on the target device, before collate.
+
+    Ordered before the collate and the copy whoever pulls the batch (the consumer pulls the
+    first two itself).
+    """
+    dataset = DecodedOnTheGpu(16)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4)
+    p = nostall.prefetch(loader, device, threads=2)
+    index = torch.device(device).index
+    stream = torch.cuda.Stream(index) if consumer == "side" else None
+    outs = []
+    with _consumer_pulls_first() as pulled, torch.cuda.device(index), torch.cuda.stream(stream):
+        for batch in p:
+            assert batch.device == torch.device(device)
+            with sim.model_work():
+                outs.append(_model(batch))
+            del batch
+    torch.cuda.synchronize(index)
+    assert pulled.is_set()
+    samples = torch.arange(16.0).repeat_interleave(192).reshape(4, 4, 3, 8, 8) * 2
+    _same([o.cpu() for o in outs], _expected(list(samples)))
+    source_stream = p._staging.source_stream.id
+    assert {(index, source_stream)} == set(dataset.seen)
+    assert sim.hazards == []

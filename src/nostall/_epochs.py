@@ -11,8 +11,10 @@ is a map-style ``DataLoader``, else by pulling and dropping them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -196,10 +198,12 @@ class EpochSource:
         across_epochs: bool,
         mirror: ShardMirror | None = None,
         threads: int | None = None,
+        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.source = source
-        #: With ``threads=``: the loading threads every epoch of the DataLoader runs on.
-        self.pool = None if threads is None else Pool(threads, "nostall-load")
+        #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
+        #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
+        self.pool = None if threads is None else Pool(threads, "nostall-load", context)
         #: Batches a threaded epoch may start ahead: the current channel's free slots.
         self.room: Callable[[], int] = lambda: 0
         self.across_epochs = across_epochs

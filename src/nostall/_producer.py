@@ -113,7 +113,8 @@ class Puller:
 
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
-        self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
+        with self.staging.source_context():
+            self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
         self.expected = self.epochs.length()
 
     # -- either thread, holding pull_lock ------------------------------------------------------
@@ -135,14 +136,16 @@ class Puller:
                     epochs.forward_epoch(epoch)
                 self.open_marks[epoch] = epochs.marks()
             try:
-                self.batches, self.pulled = epochs.open(epoch, forward=False)
+                with self.staging.source_context():
+                    self.batches, self.pulled = epochs.open(epoch, forward=False)
             except BaseException as e:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
             self.expected = epochs.length()
         index = self.pulled
         self.phase = f"next(source) for batch {index}"
         try:
-            batch = next(self.batches)
+            with self.staging.source_context():
+                batch = next(self.batches)
         except StopIteration:
             self.batches = None
             self.may_pull_end.clear()  # served; the next epoch's end waits for its own request

@@ -11,6 +11,7 @@ ready event and the batch's memory is kept for it (``record_stream``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -56,6 +57,14 @@ class Staging:
     def transform_state(self) -> Any:
         """The transform's state now (``None`` without a transform or ``state_dict``)."""
         return None if self._transform_state is None else self._transform_state()
+
+    def source_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around every call into the source, in whichever thread makes it.
+
+        The producer's pulls, the consumer's own pulls and the loading threads (``threads=``)
+        all run the source inside it. Off CUDA there is nothing to set.
+        """
+        return contextlib.nullcontext()
 
     def start_thread(self) -> None:
         """Prepare the producer thread; called once in it before the first batch.
@@ -106,6 +115,11 @@ class CudaStaging(Staging):
     while the next one is pinned) -> transform -> ready event.
 
     Invariants:
+        * The source runs on the target device and on a source stream of its own, borrowed
+          like the copy stream, in every thread that calls it (:meth:`source_context`: the
+          producer, the consumer pulling a batch itself, the loading threads). GPU work the
+          source does (decoding on the GPU, collating device tensors) is so ordered before
+          the copy stream, which waits for the source stream, and never on another device.
         * One copy stream per instance, borrowed here and never replaced (streams per epoch would
           grow reserved memory), and lent to the next staging once this one is collected
           (:mod:`nostall._copy_streams`): prefetchers made one after another share its pool.
@@ -129,6 +143,14 @@ class CudaStaging(Staging):
         super().__init__(device, transform)
         self.pin = pin
         self.stream = _copy_streams.LENDER.lend(device, self)
+        self.source_stream = _copy_streams.LENDER.lend(device, self)
+
+    def source_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The target device and the source stream, current while the source runs."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.source_stream))
+        return stack
 
     def start_thread(self) -> None:
         """Also make the target the producer thread's current device (pinning, events use it)."""
@@ -162,13 +184,13 @@ class CudaStaging(Staging):
     def _after_source(self, on_device: list[torch.Tensor]) -> None:
         """Order the copy stream after the work that wrote the source's device tensors.
 
-        They were written on this thread's current stream, so the copy stream (and the event
-        the consumer waits on) must come after that work. Only then: a wait on the current
-        stream (the default stream, or the consumer's own when it pulls a batch itself) would
-        queue every copy behind the model's kernels there, and no copy could overlap them.
+        They were written on the source stream (whichever thread ran the source), so the copy
+        stream (and the event the consumer waits on) must come after that work. Only then,
+        and only on the source stream: a wait on the model's stream would queue every copy
+        behind the model's kernels, and no copy could overlap them.
         """
         if on_device:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.stream.wait_stream(self.source_stream)
 
     def _keep_for_copy_stream(self, on_device: list[torch.Tensor]) -> None:
         """Keep the source's device tensors' memory until the copy stream has read them.

@@ -38,12 +38,14 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -187,11 +189,17 @@ class Pool:
 
     ``live`` counts the running threads; ``free_ids`` the worker ids (0 to size - 1) unused.
     Both change only under ``lock``, as does the decision of an idle thread to end, so a task
-    submitted while a thread ends is always run.
+    submitted while a thread ends is always run. Every task runs inside ``context()`` (on
+    CUDA the prefetcher's device and source stream: GPU work in ``__getitem__`` lands there).
     """
 
-    def __init__(self, size: int, name: str) -> None:
-        self.size, self.name = size, name
+    def __init__(
+        self,
+        size: int,
+        name: str,
+        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.size, self.name, self.context = size, name, context
         self.tasks: collections.deque[tuple[Future[Any], Callable[[int], Any]]] = (
             collections.deque()
         )
@@ -228,7 +236,9 @@ class Pool:
                 future, task = self.tasks.popleft()
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(task(worker))
+                    with self.context():
+                        result = task(worker)
+                    future.set_result(result)
                 except BaseException as e:
                     future.set_exception(e)
 
