@@ -18,7 +18,9 @@ side), in the order and at the steps plain accelerate would have applied it.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 
@@ -68,6 +70,46 @@ def prepared_loader_types() -> tuple[type, ...]:
     module = sys.modules.get("accelerate.data_loader")
     names = ("DataLoaderShard", "DataLoaderDispatcher")
     return tuple(t for t in (getattr(module, n, None) for n in names) if isinstance(t, type))
+
+
+#: Modules that hold accelerate's ``skip_first_batches`` under that name: accelerate's own, and
+#: Hugging Face ``Trainer``'s, which calls it to resume mid-epoch.
+_SKIP_HOLDERS = ("accelerate", "accelerate.data_loader", "accelerate.accelerator", "transformers.trainer")
+
+
+def route_skip_first_batches(
+    kind: type, rebuild: Callable[[Any, Callable[[Any], Any]], Any]
+) -> None:
+    """Make accelerate's ``skip_first_batches`` skip a prefetcher's source, and prefetch that.
+
+    ``skip_first_batches(loader, n)`` (Trainer's mid-epoch resume, ``accelerator.
+    skip_first_batches``) builds a new loader from the attributes of the object it is given.
+    Given a prefetcher (``kind``), it would build a plain ``DataLoader`` from attributes read
+    through it: no longer accelerate's shard, no longer prefetched. Routed, it is given the
+    prefetcher's source instead, and ``rebuild(prefetcher, skip)`` returns a prefetcher like the
+    given one over ``skip(source)``: the batches plain accelerate skips to, still prefetched.
+    Anything else goes to accelerate's function unchanged. Done once per holding module that is
+    imported when a prefetcher is made (Trainer imports accelerate's function before that).
+    """
+    for name in _SKIP_HOLDERS:
+        module = sys.modules.get(name)
+        original = getattr(module, "skip_first_batches", None)
+        if not callable(original) or hasattr(original, "__nostall_routed__"):
+            continue
+        setattr(module, "skip_first_batches", _routed(original, kind, rebuild))
+
+
+def _routed(
+    original: Callable[..., Any], kind: type, rebuild: Callable[[Any, Callable[[Any], Any]], Any]
+) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, kind):
+            return rebuild(dataloader, lambda source: original(source, num_batches))
+        return original(dataloader, num_batches)
+
+    skip_first_batches.__nostall_routed__ = original  # type: ignore[attr-defined]
+    return skip_first_batches
 
 
 class ShardMirror:
