@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
+
+from torch.utils.data import DataLoader
 
 
 class _DetachedGradientState:
@@ -72,9 +74,9 @@ def prepared_loader_types() -> tuple[type, ...]:
     return tuple(t for t in (getattr(module, n, None) for n in names) if isinstance(t, type))
 
 
-#: Modules that hold accelerate's ``skip_first_batches`` under that name: accelerate's own, and
-#: Hugging Face ``Trainer``'s, which calls it to resume mid-epoch.
-_SKIP_HOLDERS = ("accelerate", "accelerate.data_loader", "accelerate.accelerator", "transformers.trainer")
+#: The modules whose ``skip_first_batches`` is accelerate's: the package, where it is defined,
+#: and ``accelerate.accelerator``, whose ``Accelerator.skip_first_batches`` calls it by name.
+_SKIP_HOLDERS = ("accelerate", "accelerate.data_loader", "accelerate.accelerator")
 
 
 def route_skip_first_batches(
@@ -82,16 +84,28 @@ def route_skip_first_batches(
 ) -> None:
     """Make accelerate's ``skip_first_batches`` skip a prefetcher's source, and prefetch that.
 
-    ``skip_first_batches(loader, n)`` (Trainer's mid-epoch resume, ``accelerator.
-    skip_first_batches``) builds a new loader from the attributes of the object it is given.
-    Given a prefetcher (``kind``), it would build a plain ``DataLoader`` from attributes read
-    through it: no longer accelerate's shard, no longer prefetched. Routed, it is given the
-    prefetcher's source instead, and ``rebuild(prefetcher, skip)`` returns a prefetcher like the
-    given one over ``skip(source)``: the batches plain accelerate skips to, still prefetched.
-    Anything else goes to accelerate's function unchanged. Done once per holding module that is
-    imported when a prefetcher is made (Trainer imports accelerate's function before that).
+    ``skip_first_batches(loader, n)`` (``accelerator.skip_first_batches``, and Trainer's
+    mid-epoch resume) builds a new loader from the attributes of the object it is given, and
+    builds a ``DataLoaderShard`` only from a ``DataLoaderShard``. Given a prefetcher (``kind``),
+    it would build a plain ``DataLoader``: one without accelerate's ``set_epoch`` (so, in a new
+    process, the first epoch's order where Trainer resumes a later one), not prefetched.
+    Reading attributes through the prefetcher cannot fix that, so the function is routed: given
+    a prefetcher, accelerate's own function is called on the prefetcher's source (the loader
+    plain accelerate would have been given), and ``rebuild(prefetcher, skip)`` returns a
+    prefetcher made like the given one over ``skip(source)``. Anything else goes to accelerate's
+    function unchanged.
+
+    It is a patch of other libraries' module attributes, done only where nothing else reaches
+    the call: accelerate has no hook for it, and Trainer calls it on whatever its
+    ``get_train_dataloader`` returned. Called when a prefetcher is made, it routes each holding
+    module imported by then (Trainer imports its copy before it can build a loader), once; a
+    module imported later gets the routed function from the package.
     """
-    for name in _SKIP_HOLDERS:
+    from ._transformers import SKIP_FIRST_BATCHES_CALLERS
+
+    if "accelerate" not in sys.modules:
+        return
+    for name in (*_SKIP_HOLDERS, *SKIP_FIRST_BATCHES_CALLERS):
         module = sys.modules.get(name)
         original = getattr(module, "skip_first_batches", None)
         if not callable(original) or hasattr(original, "__nostall_routed__"):
@@ -110,6 +124,50 @@ def _routed(
 
     skip_first_batches.__nostall_routed__ = original  # type: ignore[attr-defined]
     return skip_first_batches
+
+
+def unthreadable_shard(shard: Any) -> str:
+    """Why ``threads=`` cannot load this prepared loader's samples ('' when it can).
+
+    The threads replace the loading of the plain ``DataLoader`` the shard iterates
+    (``base_dataloader``); everything accelerate does around it (its look-ahead, device
+    placement, gradient state) still runs, as :class:`ShardMirror` runs it.
+    """
+    if is_dispatcher(shard):
+        return (
+            "an accelerate DataLoaderDispatcher loads on rank 0 and sends each batch to the "
+            "other ranks; prepare the loader with DataLoaderConfiguration(dispatch_batches="
+            "False) (each rank loads its own shard, which threads= can load)"
+        )
+    base = getattr(shard, "base_dataloader", None)
+    if type(base).__iter__ is not DataLoader.__iter__ or not isinstance(base, DataLoader):
+        return (
+            f"this prepared loader iterates a {type(base).__qualname__} (use_stateful_dataloader"
+            f"=True), whose state threads would bypass; prepare it without the stateful loader"
+        )
+    return ""
+
+
+class _LoadedWith:
+    """Stands in for a shard's ``base_dataloader`` in the shadow: its epochs come from ``load``.
+
+    Every attribute is the loader's; only ``iter()`` is ``load(loader)`` (the loading threads).
+    """
+
+    def __init__(self, loader: Any, load: Callable[[Any], Iterator[Any]]) -> None:
+        self.__dict__["_loader"], self.__dict__["_load"] = loader, load
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._load(self._loader)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_loader"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._loader, name, value)
 
 
 class ShardMirror:
@@ -133,6 +191,13 @@ class ShardMirror:
         self.shadow = shadow
         self.stateful = bool(getattr(shard, "use_stateful_dataloader", False))
         self._begun = False  # the real shard was registered for the epoch being handed out
+
+    def load_with(self, load: Callable[[Any], Iterator[Any]]) -> None:
+        """Have the shadow's epochs load the shard's ``DataLoader`` with ``load`` (``threads=``).
+
+        The real shard, and what the shadow does around its loader, are unchanged.
+        """
+        self.shadow.base_dataloader = _LoadedWith(self.shard.base_dataloader, load)
 
     def sync_epoch(self) -> None:
         """Before the consumer opens an epoch: the shadow starts from the real shard's epoch."""

@@ -106,17 +106,21 @@ _OWN_ATTRIBUTES = frozenset(
 
 
 def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> Prefetcher[T]:
-    """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``, for one epoch.
+    """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``: accelerate's
+    ``skip_first_batches`` given a prefetcher (see :func:`nostall._accelerate.
+    route_skip_first_batches`).
 
-    accelerate's ``skip_first_batches`` (Trainer's mid-epoch resume) calls this: the loader it
-    builds shares the source's sampler, so it must not run ahead into another epoch.
+    The skipping loader is one epoch's rest and shares the source's sampler, so it never runs
+    ahead into another epoch; it reports to the same profile. Its source is sharded already.
     """
-    return Prefetcher(
+    skipping = Prefetcher(
         skip(prefetcher.source),
         **prefetcher._settings,
         across_epochs=False,
-        shard=False if prefetcher._shard else prefetcher._shard,  # the source is sharded already
+        shard=None if prefetcher._shard is None else False,
     )
+    skipping._recorder = prefetcher._recorder
+    return skipping
 
 
 class Prefetcher(Generic[T]):
