@@ -28,8 +28,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from frameworks import trainer_run as run  # noqa: E402
-from frameworks.trainer_run import Seen, Spec  # noqa: E402
+from frameworks import trainer_run as run
+from frameworks.trainer_run import Seen, Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,8 +103,11 @@ def workers_of(name: str) -> int:
 
 
 def loaded_by_nostall(name: str, seen: Seen) -> bool:
-    """Whether nostall's threads loaded samples (those a step waited for may be loaded in the
-    training thread itself; worker processes load them all in theirs)."""
+    """Whether nostall's threads loaded samples.
+
+    Those a step waited for may be loaded in the training thread itself; worker processes load
+    them all in theirs.
+    """
     if workers_of(name):
         return [] == seen.loaded_by
     return ("nostall-load" if "threads" in name else "nostall-prefetch") in seen.loaded_by

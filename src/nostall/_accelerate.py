@@ -110,7 +110,7 @@ def route_skip_first_batches(
         original = getattr(module, "skip_first_batches", None)
         if not callable(original) or hasattr(original, "__nostall_routed__"):
             continue
-        setattr(module, "skip_first_batches", _routed(original, kind, rebuild))
+        module.skip_first_batches = _routed(original, kind, rebuild)  # type: ignore[union-attr]
 
 
 def _routed(
@@ -140,7 +140,7 @@ def unthreadable_shard(shard: Any) -> str:
             "False) (each rank loads its own shard, which threads= can load)"
         )
     base = getattr(shard, "base_dataloader", None)
-    if type(base).__iter__ is not DataLoader.__iter__ or not isinstance(base, DataLoader):
+    if not isinstance(base, DataLoader) or type(base).__iter__ is not DataLoader.__iter__:
         return (
             f"this prepared loader iterates a {type(base).__qualname__} (use_stateful_dataloader"
             f"=True), whose state threads would bypass; prepare it without the stateful loader"
@@ -158,7 +158,8 @@ class _LoadedWith:
         self.__dict__["_loader"], self.__dict__["_load"] = loader, load
 
     def __iter__(self) -> Iterator[Any]:
-        return self._load(self._loader)
+        epoch: Iterator[Any] = self._load(self._loader)
+        return epoch
 
     def __len__(self) -> int:
         return len(self._loader)

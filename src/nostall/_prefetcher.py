@@ -106,12 +106,12 @@ _OWN_ATTRIBUTES = frozenset(
 
 
 def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> Prefetcher[T]:
-    """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``: accelerate's
-    ``skip_first_batches`` given a prefetcher (see :func:`nostall._accelerate.
-    route_skip_first_batches`).
+    """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``.
 
-    The skipping loader is one epoch's rest and shares the source's sampler, so it never runs
-    ahead into another epoch; it reports to the same profile. Its source is sharded already.
+    accelerate's ``skip_first_batches`` returns it when given a prefetcher (see
+    :func:`nostall._accelerate.route_skip_first_batches`). The skipping loader is the rest of
+    one epoch and shares the source's sampler, so it never runs ahead into another epoch; it
+    reports to the same profile. Its source is sharded already.
     """
     skipping = Prefetcher(
         skip(prefetcher.source),

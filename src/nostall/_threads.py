@@ -97,11 +97,11 @@ def check_threadable(source: object, threads: object) -> int | None:
         )
     loader: DataLoader[Any] = source
     if loader.num_workers > 0:
+        trainer = _UNDER_TRAINER if type(loader) in prepared_loader_types() else ""
         raise ValueError(
             f"threads= loads in place of the DataLoader's worker processes, and this one was "
             f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "
-            f"threads do its loading{_UNDER_TRAINER if type(loader) in prepared_loader_types() else ''}"
-            f"), or leave threads out to keep the processes"
+            f"threads do its loading{trainer}), or leave threads out to keep the processes"
         )
     why = ""
     if isinstance(loader.dataset, IterableDataset):
