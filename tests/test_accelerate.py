@@ -338,6 +338,60 @@ def test_an_unprepared_loader_warning_leads_to_threads_over_the_prepared_one() -
         assert SAMPLES == sum(len(b["index"]) for b in batches)  # no warning: an error here
 
 
+def page_code(path: Path) -> dict[str, Any]:
+    """The names defined by the first python block of a docs page, run as is."""
+    block = path.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {"__name__": path.stem}
+    exec(compile(block, str(path), "exec"), namespace)
+    return namespace
+
+
+class Output(NamedTuple):
+    loss: torch.Tensor
+
+
+class Regression(torch.nn.Module):
+    """A model that returns its loss, as Hugging Face models do (``model(**batch).loss``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([[0.5, -0.25]]))
+            self.linear.bias.fill_(0.125)
+
+    def forward(self, index: torch.Tensor, x: torch.Tensor) -> Output:
+        return Output((self.linear(x) - index.unsqueeze(1) / SAMPLES).pow(2).mean())
+
+
+def test_the_pages_loop_trains_as_plain_accelerate() -> None:
+    """docs/clients/accelerate.md's ``train`` (threads=2) ends with plain accelerate's weights."""
+
+    def plain(model: Any, optimizer: Any, loader: Any, epochs: int) -> Any:
+        accelerator = Accelerator(gradient_accumulation_steps=4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(**batch).loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        return model
+
+    weights = []
+    for train in (plain, page_code(ROOT / "docs" / "clients" / "accelerate.md")["train"]):
+        reset_accelerate()
+        model = Regression()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        seeded = torch.Generator().manual_seed(SEED)
+        loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, generator=seeded)
+        trained = train(model, optimizer, loader, EPOCHS)
+        weights.append([p.detach().clone() for p in trained.parameters()])
+    assert_same_weights(*weights)
+    assert not torch.equal(weights[0][0], torch.tensor([[0.5, -0.25]]))  # it trained
+
+
 # -- skip_first_batches ----------------------------------------------------------------------------
 
 
