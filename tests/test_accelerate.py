@@ -437,9 +437,11 @@ def let_it_run_ahead(run: Run, batches: int) -> None:
         time.sleep(0.01)
 
 
-def state_after(run: Run, k: int, across: bool = False, workers: int = 0) -> Any:
+def state_after(
+    run: Run, k: int, across: bool = False, workers: int = 0, threads: int | None = None
+) -> Any:
     """nostall's state after k batches of the first epoch, the producer fetching ahead."""
-    with nostall.prefetch(run.loader, depth=4, across_epochs=across) as batches:
+    with nostall.prefetch(run.loader, depth=4, across_epochs=across, threads=threads) as batches:
         ours = iter(batches)
         for _ in range(k):
             next(ours)
@@ -543,9 +545,10 @@ def decisions(steps: list[Step]) -> list[tuple[list[int], bool, bool]]:
     return [(s.indices, s.sync_gradients, s.end_of_dataloader) for s in steps]
 
 
+@pytest.mark.parametrize("threads", [None, 2], ids=["loader", "threads"])
 @pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
 @pytest.mark.parametrize("k", [1, 4, BATCHES - 1])
-def test_resume_by_replay(k: int, across: bool) -> None:
+def test_resume_by_replay(k: int, across: bool, threads: int | None) -> None:
     """Without a stateful loader, nostall draws the order again and skips k batches.
 
     The reference is accelerate's way: ``skip_first_batches(loader, k)`` for the rest of the
@@ -566,9 +569,9 @@ def test_resume_by_replay(k: int, across: bool) -> None:
     assert epoch_indices(uninterrupted[k:BATCHES]) == epoch_indices(steps[: BATCHES - k])
     assert epoch_indices(uninterrupted[BATCHES:]) == epoch_indices(steps[BATCHES - k :])
 
-    state = state_after(build(), k, across)
+    state = state_after(build(), k, across, threads=threads)
     run = build()
-    with nostall.prefetch(run.loader, across_epochs=across) as batches:
+    with nostall.prefetch(run.loader, across_epochs=across, threads=threads) as batches:
         batches.load_state_dict(state)
         resumed, ends, weights = train(run, batches)
     assert decisions(steps) == decisions(resumed)

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader
 
+from ._transformers import SKIP_FIRST_BATCHES_CALLERS
+
 
 class _DetachedGradientState:
     """Stands in for accelerate's ``GradientState`` inside the shadow: its calls change nothing."""
@@ -101,8 +103,6 @@ def route_skip_first_batches(
     module imported by then (Trainer imports its copy before it can build a loader), once; a
     module imported later gets the routed function from the package.
     """
-    from ._transformers import SKIP_FIRST_BATCHES_CALLERS
-
     if "accelerate" not in sys.modules:
         return
     for name in (*_SKIP_HOLDERS, *SKIP_FIRST_BATCHES_CALLERS):
