@@ -21,6 +21,7 @@ import os
 import runpy
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -58,12 +59,14 @@ class Indexed(Dataset[dict[str, Any]]):
 
     def __init__(self) -> None:
         self.loads = 0
+        self.loaded_by: set[str] = set()  # the names of the threads that loaded, less numbers
 
     def __len__(self) -> int:
         return SAMPLES
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         self.loads += 1
+        self.loaded_by.add(threading.current_thread().name.rsplit("-", 1)[0])
         return {"index": i, "x": torch.tensor([i / SAMPLES, 1.0])}
 
 
@@ -285,11 +288,138 @@ def test_prefetcher_given_to_prepare_warns() -> None:
         assert first == second
 
 
-def test_loading_threads_refuse_a_prepared_loader() -> None:
-    """accelerate's loader iterates in its own way (device placement, synchronised draws)."""
-    loader = Accelerator(cpu=True).prepare(DataLoader(Indexed(), batch_size=BATCH))
-    with pytest.raises(ValueError, match="iterates in its own way, which threads would bypass"):
-        nostall.prefetch(loader, "cpu", threads=2)
+# -- threads= -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
+def test_loading_threads_load_a_prepared_loader(across: bool) -> None:
+    """threads= loads the DataLoader accelerate iterates: its steps and flags are unchanged."""
+    run = build()
+    expected_steps, expected_ends, expected_weights = train(run, run.loader)
+    check_plain_accelerate(expected_steps, expected_ends)
+
+    run = build()
+    with nostall.prefetch(run.loader, depth=4, across_epochs=across, threads=2) as batches:
+        steps, ends, weights = train(run, batches)
+    assert expected_steps == steps
+    assert expected_ends == ends
+    assert_same_weights(expected_weights, weights)
+    assert "nostall-load" in run.loader.dataset.loaded_by
+
+
+@pytest.mark.parametrize(
+    ("config", "workers", "fix"),
+    [
+        (DataLoaderConfiguration(dispatch_batches=True), 0, "dispatch_batches=False"),
+        (DataLoaderConfiguration(use_stateful_dataloader=True), 0, "without the stateful loader"),
+        (None, 2, r"num_workers=0 .*dataloader_num_workers=0"),
+    ],
+    ids=["dispatcher", "stateful", "workers"],
+)
+def test_loading_threads_refuse_what_they_cannot_load(
+    config: DataLoaderConfiguration | None, workers: int, fix: str
+) -> None:
+    """Each refusal names the setting that works, in one step."""
+    run = build(workers, config)
+    with pytest.raises(ValueError, match=fix):
+        nostall.prefetch(run.loader, "cpu", threads=2)
+
+
+def test_an_unprepared_loader_warning_leads_to_threads_over_the_prepared_one() -> None:
+    """The raw loader's warning says to prepare it, and that threads= loads a prepared one."""
+    run = build()
+    raw = DataLoader(Indexed(), batch_size=BATCH)
+    with (
+        nostall.prefetch(raw, "cpu", threads=2) as batches,
+        pytest.warns(UserWarning, match=r"accelerator\.prepare\(loader\) first.*threads="),
+    ):
+        next(iter(batches))
+    with nostall.prefetch(run.accelerator.prepare(raw), "cpu", threads=2) as batches:
+        assert SAMPLES == sum(len(b["index"]) for b in batches)  # no warning: an error here
+
+
+def page_code(path: Path) -> dict[str, Any]:
+    """The names defined by the first python block of a docs page, run as is."""
+    block = path.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {"__name__": path.stem}
+    exec(compile(block, str(path), "exec"), namespace)
+    return namespace
+
+
+class Output(NamedTuple):
+    loss: torch.Tensor
+
+
+class Regression(torch.nn.Module):
+    """A model that returns its loss, as Hugging Face models do (``model(**batch).loss``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([[0.5, -0.25]]))
+            self.linear.bias.fill_(0.125)
+
+    def forward(self, index: torch.Tensor, x: torch.Tensor) -> Output:
+        return Output((self.linear(x) - index.unsqueeze(1) / SAMPLES).pow(2).mean())
+
+
+def test_the_pages_loop_trains_as_plain_accelerate() -> None:
+    """docs/clients/accelerate.md's ``train`` (threads=2) ends with plain accelerate's weights."""
+
+    def plain(model: Any, optimizer: Any, loader: Any, epochs: int) -> Any:
+        accelerator = Accelerator(gradient_accumulation_steps=4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(**batch).loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        return model
+
+    weights = []
+    for train in (plain, page_code(ROOT / "docs" / "clients" / "accelerate.md")["train"]):
+        reset_accelerate()
+        model = Regression()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        seeded = torch.Generator().manual_seed(SEED)
+        loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, generator=seeded)
+        trained = train(model, optimizer, loader, EPOCHS)
+        weights.append([p.detach().clone() for p in trained.parameters()])
+    assert_same_weights(*weights)
+    assert not torch.equal(weights[0][0], torch.tensor([[0.5, -0.25]]))  # it trained
+
+
+# -- skip_first_batches ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_skip_first_batches_of_a_prefetcher(threads: int | None) -> None:
+    """accelerator.skip_first_batches(prefetcher, k): plain accelerate's skip, prefetched.
+
+    accelerate rebuilds a loader from the object it is given; from a prefetcher it would build
+    a plain DataLoader (the prefetcher's own settings read as the loader's, no prefetching).
+    """
+    k = 3
+    run = build()
+    expected: list[Step] = []
+    run.loader.set_epoch(1)
+    skipping = run.accelerator.skip_first_batches(run.loader, k)
+    train_epoch(run, skipping, expected, loader=skipping)
+    train_epoch(run, run.loader, expected)
+
+    run = build()
+    steps: list[Step] = []
+    with nostall.prefetch(run.loader, timeout=30, threads=threads) as batches:
+        batches.set_epoch(1)
+        with run.accelerator.skip_first_batches(batches, k) as rest:
+            assert isinstance(rest, nostall.Prefetcher)
+            train_epoch(run, rest, steps, loader=rest.source)
+        train_epoch(run, batches, steps)
+    assert expected == steps
+    assert BATCHES - k + BATCHES == len(steps)
 
 
 # -- resuming --------------------------------------------------------------------------------------
@@ -307,9 +437,11 @@ def let_it_run_ahead(run: Run, batches: int) -> None:
         time.sleep(0.01)
 
 
-def state_after(run: Run, k: int, across: bool = False, workers: int = 0) -> Any:
+def state_after(
+    run: Run, k: int, across: bool = False, workers: int = 0, threads: int | None = None
+) -> Any:
     """nostall's state after k batches of the first epoch, the producer fetching ahead."""
-    with nostall.prefetch(run.loader, depth=4, across_epochs=across) as batches:
+    with nostall.prefetch(run.loader, depth=4, across_epochs=across, threads=threads) as batches:
         ours = iter(batches)
         for _ in range(k):
             next(ours)
@@ -413,9 +545,10 @@ def decisions(steps: list[Step]) -> list[tuple[list[int], bool, bool]]:
     return [(s.indices, s.sync_gradients, s.end_of_dataloader) for s in steps]
 
 
+@pytest.mark.parametrize("threads", [None, 2], ids=["loader", "threads"])
 @pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
 @pytest.mark.parametrize("k", [1, 4, BATCHES - 1])
-def test_resume_by_replay(k: int, across: bool) -> None:
+def test_resume_by_replay(k: int, across: bool, threads: int | None) -> None:
     """Without a stateful loader, nostall draws the order again and skips k batches.
 
     The reference is accelerate's way: ``skip_first_batches(loader, k)`` for the rest of the
@@ -436,9 +569,9 @@ def test_resume_by_replay(k: int, across: bool) -> None:
     assert epoch_indices(uninterrupted[k:BATCHES]) == epoch_indices(steps[: BATCHES - k])
     assert epoch_indices(uninterrupted[BATCHES:]) == epoch_indices(steps[BATCHES - k :])
 
-    state = state_after(build(), k, across)
+    state = state_after(build(), k, across, threads=threads)
     run = build()
-    with nostall.prefetch(run.loader, across_epochs=across) as batches:
+    with nostall.prefetch(run.loader, across_epochs=across, threads=threads) as batches:
         batches.load_state_dict(state)
         resumed, ends, weights = train(run, batches)
     assert decisions(steps) == decisions(resumed)

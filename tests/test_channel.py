@@ -136,6 +136,31 @@ def test_pull_here_is_asked_only_when_nothing_is_queued_and_no_timeout_is_set() 
     done.set()
 
 
+def test_an_exception_of_a_pull_here_keeps_no_frame_of_the_consumer() -> None:
+    """A pull in the consumer's thread is not made while the queue's Empty is being handled.
+
+    Otherwise what the pull raises, even one its source catches and keeps (accelerate's loader
+    yields its last batch inside ``except StopIteration``), chains that Empty, whose traceback
+    holds the training loop's frames: the prefetcher and its thread were never collected.
+    """
+    channel = Channel(1, "list")
+    done = live_producer(channel)
+    raised: list[BaseException] = []
+
+    def pull_here() -> Message | None:
+        try:
+            raise StopIteration
+        except StopIteration as e:
+            raised.append(e)
+        return message(1)
+
+    try:
+        channel.get(0, None, pull_here)
+    finally:
+        done.set()
+    assert None is raised[0].__context__
+
+
 def test_a_dead_producer_is_reported_not_waited_for() -> None:
     channel = Channel(1, "x")
     with pytest.raises(ProducerDiedError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import re
 import threading
 import time
@@ -552,6 +553,37 @@ def test_attributes_are_forwarded_to_the_source() -> None:
     assert p.drop_last is True
     with pytest.raises(AttributeError):
         p.no_such_attribute  # noqa: B018
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_every_loader_argument_reads_the_loaders_value(pin_memory: bool) -> None:
+    """What ``DataLoader(...)`` keeps reads through as the loader's, whatever nostall was given.
+
+    accelerate's ``skip_first_batches`` rebuilds a loader from these attributes; the
+    prefetcher's own ``timeout`` or ``pin_memory`` read in their place made it fail or differ.
+    """
+    loader = DataLoader(
+        list(range(10)),
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=lambda samples: samples,
+        pin_memory=pin_memory,
+        drop_last=True,
+        timeout=7.0,
+        worker_init_fn=lambda worker: None,
+        multiprocessing_context="spawn",
+        generator=torch.Generator(),
+        prefetch_factor=3,
+        persistent_workers=True,
+        in_order=False,
+    )
+    p = nostall.prefetch(loader, "cpu", timeout=60, pin_memory=not pin_memory, depth=4)
+    arguments = inspect.signature(DataLoader.__init__).parameters
+    kept = [name for name in arguments if name != "self" and hasattr(loader, name)]
+    assert {"timeout", "pin_memory", "num_workers", "prefetch_factor", "in_order"} <= set(kept)
+    for name in kept:
+        assert getattr(loader, name) is getattr(p, name), name
 
 
 def test_setting_a_loader_attribute_is_refused_as_the_loader_refuses_it() -> None:

@@ -18,8 +18,14 @@ side), in the order and at the steps plain accelerate would have applied it.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
+
+from torch.utils.data import DataLoader
+
+from ._transformers import SKIP_FIRST_BATCHES_CALLERS
 
 
 class _DetachedGradientState:
@@ -70,6 +76,101 @@ def prepared_loader_types() -> tuple[type, ...]:
     return tuple(t for t in (getattr(module, n, None) for n in names) if isinstance(t, type))
 
 
+#: The modules whose ``skip_first_batches`` is accelerate's: the package, where it is defined,
+#: and ``accelerate.accelerator``, whose ``Accelerator.skip_first_batches`` calls it by name.
+_SKIP_HOLDERS = ("accelerate", "accelerate.data_loader", "accelerate.accelerator")
+
+
+def route_skip_first_batches(
+    kind: type, rebuild: Callable[[Any, Callable[[Any], Any]], Any]
+) -> None:
+    """Make accelerate's ``skip_first_batches`` skip a prefetcher's source, and prefetch that.
+
+    ``skip_first_batches(loader, n)`` (``accelerator.skip_first_batches``, and Trainer's
+    mid-epoch resume) builds a new loader from the attributes of the object it is given, and
+    builds a ``DataLoaderShard`` only from a ``DataLoaderShard``. Given a prefetcher (``kind``),
+    it would build a plain ``DataLoader``: one without accelerate's ``set_epoch`` (so, in a new
+    process, the first epoch's order where Trainer resumes a later one), not prefetched.
+    Reading attributes through the prefetcher cannot fix that, so the function is routed: given
+    a prefetcher, accelerate's own function is called on the prefetcher's source (the loader
+    plain accelerate would have been given), and ``rebuild(prefetcher, skip)`` returns a
+    prefetcher made like the given one over ``skip(source)``. Anything else goes to accelerate's
+    function unchanged.
+
+    It is a patch of other libraries' module attributes, done only where nothing else reaches
+    the call: accelerate has no hook for it, and Trainer calls it on whatever its
+    ``get_train_dataloader`` returned. Called when a prefetcher is made, it routes each holding
+    module imported by then (Trainer imports its copy before it can build a loader), once; a
+    module imported later gets the routed function from the package.
+    """
+    if "accelerate" not in sys.modules:
+        return
+    for name in (*_SKIP_HOLDERS, *SKIP_FIRST_BATCHES_CALLERS):
+        module = sys.modules.get(name)
+        original = getattr(module, "skip_first_batches", None)
+        if not callable(original) or hasattr(original, "__nostall_routed__"):
+            continue
+        module.skip_first_batches = _routed(original, kind, rebuild)  # type: ignore[union-attr]
+
+
+def _routed(
+    original: Callable[..., Any], kind: type, rebuild: Callable[[Any, Callable[[Any], Any]], Any]
+) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, kind):
+            return rebuild(dataloader, lambda source: original(source, num_batches))
+        return original(dataloader, num_batches)
+
+    skip_first_batches.__nostall_routed__ = original  # type: ignore[attr-defined]
+    return skip_first_batches
+
+
+def unthreadable_shard(shard: Any) -> str:
+    """Why ``threads=`` cannot load this prepared loader's samples ('' when it can).
+
+    The threads replace the loading of the plain ``DataLoader`` the shard iterates
+    (``base_dataloader``); everything accelerate does around it (its look-ahead, device
+    placement, gradient state) still runs, as :class:`ShardMirror` runs it.
+    """
+    if is_dispatcher(shard):
+        return (
+            "an accelerate DataLoaderDispatcher loads on rank 0 and sends each batch to the "
+            "other ranks; prepare the loader with DataLoaderConfiguration(dispatch_batches="
+            "False) (each rank loads its own shard, which threads= can load)"
+        )
+    base = getattr(shard, "base_dataloader", None)
+    if not isinstance(base, DataLoader) or type(base).__iter__ is not DataLoader.__iter__:
+        return (
+            f"this prepared loader iterates a {type(base).__qualname__} (use_stateful_dataloader"
+            f"=True), whose state threads would bypass; prepare it without the stateful loader"
+        )
+    return ""
+
+
+class _LoadedWith:
+    """Stands in for a shard's ``base_dataloader`` in the shadow: its epochs come from ``load``.
+
+    Every attribute is the loader's; only ``iter()`` is ``load(loader)`` (the loading threads).
+    """
+
+    def __init__(self, loader: Any, load: Callable[[Any], Iterator[Any]]) -> None:
+        self.__dict__["_loader"], self.__dict__["_load"] = loader, load
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch: Iterator[Any] = self._load(self._loader)
+        return epoch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_loader"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._loader, name, value)
+
+
 class ShardMirror:
     """Iterates a shadow of a ``DataLoaderShard`` and replays its effects on the real one.
 
@@ -91,6 +192,13 @@ class ShardMirror:
         self.shadow = shadow
         self.stateful = bool(getattr(shard, "use_stateful_dataloader", False))
         self._begun = False  # the real shard was registered for the epoch being handed out
+
+    def load_with(self, load: Callable[[Any], Iterator[Any]]) -> None:
+        """Have the shadow's epochs load the shard's ``DataLoader`` with ``load`` (``threads=``).
+
+        The real shard, and what the shadow does around its loader, are unchanged.
+        """
+        self.shadow.base_dataloader = _LoadedWith(self.shard.base_dataloader, load)
 
     def sync_epoch(self) -> None:
         """Before the consumer opens an epoch: the shadow starts from the real shard's epoch."""

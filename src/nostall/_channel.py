@@ -133,21 +133,23 @@ class Channel:
         """
         try:
             message = self.items.get_nowait()
+            self.slots.release()
+            return message
         except queue.Empty:
-            if self.auto_limit is not None:
-                self._grow()
-            # A pull here cannot be interrupted by a timeout, so none is done when one is set.
-            thread = self.thread  # a dead producer is for _wait to report
-            if (
-                timeout is None
-                and pull_here is not None
-                and thread is not None
-                and thread.is_alive()
-            ):
-                stolen = pull_here()
-                if stolen is not None:
-                    return stolen
-            message = self._wait(index, timeout)
+            pass
+        # Not inside the except block: an exception raised by the pull below would carry the
+        # Empty as its context, whose traceback holds this thread's frames (the training loop,
+        # the prefetcher). A source's generator that keeps that exception (accelerate's loader
+        # yields its last batch inside ``except StopIteration``) would keep them all alive.
+        if self.auto_limit is not None:
+            self._grow()
+        # A pull here cannot be interrupted by a timeout, so none is done when one is set.
+        thread = self.thread  # a dead producer is for _wait to report
+        if timeout is None and pull_here is not None and thread is not None and thread.is_alive():
+            stolen = pull_here()
+            if stolen is not None:
+                return stolen
+        message = self._wait(index, timeout)
         self.slots.release()
         return message
 

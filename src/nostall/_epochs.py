@@ -209,6 +209,9 @@ class EpochSource:
         self.across_epochs = across_epochs
         #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
         self.mirror = mirror
+        if mirror is not None and self.pool is not None:
+            pool = self.pool  # the threads load the shard's DataLoader, inside its iteration
+            mirror.load_with(lambda loader: ThreadedEpoch(loader, pool, lambda: self.room()))
         if mirror is not None:
             self.stateful = mirror.stateful
         else:
@@ -220,7 +223,7 @@ class EpochSource:
 
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
-        if self.pool is None:
+        if self.pool is None or self.mirror is not None:
             return iter(loader)
         return ThreadedEpoch(loader, self.pool, lambda: self.room(), skipped)
 

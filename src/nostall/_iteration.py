@@ -61,7 +61,7 @@ class Owner(Protocol[T]):
     _recorder: StallRecorder | None
     depth: int | Literal["auto"]
     device: torch.device
-    timeout: float | None
+    _timeout: float | None
 
 
 class Lifecycle(enum.Enum):
@@ -97,7 +97,7 @@ class PrefetchIterator(Iterator[T]):
         )
         self._depth = owner.depth
         self._device = owner.device
-        self._timeout = owner.timeout
+        self._timeout = owner._timeout
         self._lineage = owner._lineage
         self._shard = owner._shard
         self._recorder = owner._recorder

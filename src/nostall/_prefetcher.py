@@ -11,6 +11,7 @@ from . import _arguments as check
 from ._accelerate import (
     ShardMirror,
     is_prepared_shard,
+    route_skip_first_batches,
 )
 from ._device import DeviceLike, resolve_device
 from ._epochs import EpochSource
@@ -95,10 +96,31 @@ def prefetch(
 
 #: The prefetcher's own attributes; any other name the source has is set on the source (a
 #: framework's ``loader._iterator = None`` after shutting its workers down reaches the loader).
+#: ``timeout`` and ``pin_memory`` are not among them: a DataLoader has both, and a framework that
+#: rebuilds a loader from the prefetcher's attributes (accelerate's ``skip_first_batches``) must
+#: read the loader's values, so the prefetcher keeps its own as ``_timeout`` and ``_pin_memory``.
 _OWN_ATTRIBUTES = frozenset(
-    {"device", "depth", "timeout", "across_epochs", "pin_memory"}
+    {"device", "depth", "across_epochs", "_timeout", "_pin_memory", "_settings"}
     | {"_source", "_staging", "_lineage", "_recorder", "_closed", "_shard"}
 )
+
+
+def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> Prefetcher[T]:
+    """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``.
+
+    accelerate's ``skip_first_batches`` returns it when given a prefetcher (see
+    :func:`nostall._accelerate.route_skip_first_batches`). The skipping loader is the rest of
+    one epoch and shares the source's sampler, so it never runs ahead into another epoch; it
+    reports to the same profile. Its source is sharded already.
+    """
+    skipping = Prefetcher(
+        skip(prefetcher.source),
+        **prefetcher._settings,
+        across_epochs=False,
+        shard=None if prefetcher._shard is None else False,
+    )
+    skipping._recorder = prefetcher._recorder
+    return skipping
 
 
 class Prefetcher(Generic[T]):
@@ -179,13 +201,23 @@ class Prefetcher(Generic[T]):
                 "device='cuda', 'cpu' or None"
             )
         self.depth = depth
-        self.timeout = timeout
+        self._timeout = timeout
         self.across_epochs = across_epochs
+        #: What a prefetcher over a rebuilt copy of the source is made with (see _accelerate).
+        self._settings: dict[str, Any] = {
+            "device": device,
+            "depth": depth,
+            "pin_memory": pin_memory,
+            "timeout": timeout,
+            "profile": profile,
+            "transform": transform,
+            "threads": threads,
+        }
         if self.device.type == "cuda":
-            self.pin_memory = True if pin_memory is None else pin_memory
-            self._staging: Staging = CudaStaging(self.device, self.pin_memory, transform)
+            self._pin_memory = True if pin_memory is None else pin_memory
+            self._staging: Staging = CudaStaging(self.device, self._pin_memory, transform)
         else:
-            self.pin_memory = False  # pinned memory only speeds up copies to a GPU
+            self._pin_memory = False  # pinned memory only speeds up copies to a GPU
             self._staging = Staging(self.device, transform)
         mirror = ShardMirror(source) if is_prepared_shard(source) else None
         refuse_unsupported(source, across_epochs, mirror)
@@ -202,6 +234,7 @@ class Prefetcher(Generic[T]):
         weakref.finalize(self, Lineage.owner_gone, self._lineage)
         if across_epochs:
             warn_about_epochs(source)
+        route_skip_first_batches(Prefetcher, _skipping)
 
     @property
     def source(self) -> Iterable[T]:

@@ -80,8 +80,10 @@ def warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
         warnings.warn(
             "nostall: an accelerate Accelerator is active, but the DataLoader given to "
             "nostall.prefetch was not prepared by it, so accelerate neither shards it nor "
-            "places its batches (accelerator.prepare() of a prefetcher sees no DataLoader). "
-            "Call loader = accelerator.prepare(loader) first, then nostall.prefetch(loader)",
+            "places its batches, and accelerator.accumulate() cannot see its epoch's end "
+            "(accelerator.prepare() of a prefetcher sees no DataLoader). Call loader = "
+            "accelerator.prepare(loader) first, then nostall.prefetch(loader); threads= loads "
+            "a prepared loader too (built with num_workers=0)",
             UserWarning,
             stacklevel=5,
         )

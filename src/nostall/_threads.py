@@ -52,16 +52,21 @@ import torch
 import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
+from ._accelerate import prepared_loader_types, unthreadable_shard
 from ._device import caller_outside_nostall
 from ._exceptions import add_note
 from ._exit import track
 from ._torch_compat import auto_collation, index_sampler, pinning_like
+from ._transformers import is_trainer_seed_worker
 
 #: Seconds a loading thread waits for work before it ends.
 IDLE_S = 0.2
 
 _local = threading.local()
 _original_get_worker_info = torch.utils.data.get_worker_info
+
+
+_UNDER_TRAINER = "; under Hugging Face Trainer: TrainingArguments(dataloader_num_workers=0)"
 
 
 def check_threadable(source: object, threads: object) -> int | None:
@@ -72,11 +77,14 @@ def check_threadable(source: object, threads: object) -> int | None:
             ``IterableDataset`` is told to leave threads out).
         ValueError: ``threads`` < 1; then, in this order, so that the first refusal's fix is
             one that works: an ``IterableDataset``, or a DataLoader subclass with its own
-            ``__iter__`` (accelerate's, torchdata's stateful one), which no setting makes
-            threadable; a loader with worker processes (``num_workers > 0``: the threads
-            replace them, so build it without).
+            ``__iter__`` (torchdata's stateful one), which no setting makes threadable; a
+            loader with worker processes (``num_workers > 0``: the threads replace them, so
+            build it without). accelerate's prepared loader is accepted when the
+            ``DataLoader`` it iterates is (the threads load that one, inside accelerate's
+            iteration), except a dispatcher or a stateful one.
 
-    Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it.
+    Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it
+    (except Trainer's own, see :func:`nostall._transformers.is_trainer_seed_worker`).
     """
     if threads is None:
         return None
@@ -105,22 +113,28 @@ def check_threadable(source: object, threads: object) -> int | None:
     why = ""
     if isinstance(loader.dataset, IterableDataset):
         why = "its dataset is an IterableDataset, whose items cannot be fetched by index"
+    elif type(loader) in prepared_loader_types():
+        why = unthreadable_shard(loader)  # else its DataLoader is loaded inside accelerate's
     elif (
         not issubclass(type(loader), DataLoader) or type(loader).__iter__ is not DataLoader.__iter__
     ):
-        why = f"{type(loader).__qualname__} iterates in its own way, which threads would bypass"
+        why = (
+            f"{type(loader).__qualname__} iterates in its own way, which threads would bypass; "
+            f"build a plain DataLoader over a map-style dataset"
+        )
     if why:
         raise ValueError(
-            f"threads= cannot load this DataLoader: {why}; leave threads out (num_workers= "
-            "loads in processes), or build a plain DataLoader over a map-style dataset"
+            f"threads= cannot load this DataLoader: {why}; or leave threads out (num_workers= "
+            "loads in processes)"
         )
     if loader.num_workers > 0:
+        trainer = _UNDER_TRAINER if type(loader) in prepared_loader_types() else ""
         raise ValueError(
             f"threads= loads in place of the DataLoader's worker processes, and this one was "
             f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "
-            f"threads do its loading), or leave threads out to keep the processes"
+            f"threads do its loading{trainer}), or leave threads out to keep the processes"
         )
-    if loader.worker_init_fn is not None:
+    if loader.worker_init_fn is not None and not is_trainer_seed_worker(loader.worker_init_fn):
         warnings.warn(
             f"nostall.prefetch(threads={threads}): this DataLoader's worker_init_fn "
             f"({getattr(loader.worker_init_fn, '__qualname__', loader.worker_init_fn)!r}) is not "
