@@ -50,6 +50,16 @@ MID_EPOCH = f"checkpoint-{run.STEPS_PER_EPOCH + 1}"  # one step into the second 
 
 
 @pytest.fixture(autouse=True)
+def _no_accelerator_left_active() -> Iterator[None]:
+    """Trainer makes an Accelerator, whose state is process-wide: later tests must not see it."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """The model is tiny: one intra-op thread is many times faster on a busy machine."""
     threads = torch.get_num_threads()
