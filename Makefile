@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The stamp also tells tests/test_bench_contenders.py that the peers extra was meant to be here.
 STAMP := $(VENV)/.nostall-installed
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 

@@ -37,6 +37,10 @@ SIMULATED = (
 )
 
 
+#: The suite step's tests: make test's (not perf) less the CUDA tests, which cuda-tests runs.
+SUITE_MARKERS = "not cuda and not perf"
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One subprocess of the check: ``argv`` after the interpreter, and its time limit."""
@@ -124,10 +128,14 @@ def plan(out: Path, *, suite: bool, workers: int) -> list[Step]:
         steps.append(
             Step(
                 "suite",
-                (*pytest, *parallel, "tests"),
+                # The CUDA tests ran alone in cuda-tests: run beside other processes' work on
+                # the same GPU they measure memory and races that are not theirs. A -m here
+                # replaces the one in pyproject's addopts, so perf stays out explicitly.
+                (*pytest, *parallel, "-m", SUITE_MARKERS, "tests"),
                 420,
                 True,  # without a GPU, `make test` is the command that runs it
-                "make test's suite, on this machine (it must pass on a GPU machine too)",
+                "make test's suite but the CUDA tests (cuda-tests ran them alone), on this "
+                "machine: it must pass on a GPU machine too",
             )
         )
     return steps

@@ -22,7 +22,8 @@ torch.manual_seed(0)  # the same data and initial weights on every rank, in ever
 dataset = TensorDataset(torch.arange(80), torch.randn(80, 8), torch.randn(80, 1))  # index first
 sampler = DistributedSampler(dataset, shuffle=True, seed=0)
 workers = {"num_workers": args.workers, "persistent_workers": args.workers > 0}
-batches = nostall.prefetch(DataLoader(dataset, 8, sampler=sampler, **workers), across_epochs=True)
+loader = DataLoader(dataset, 8, sampler=sampler, **workers)
+batches = nostall.prefetch(loader, "cpu", across_epochs=True)  # where the model is, with gloo
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 seen = json.loads(seen_file.read_text()) if mine.exists() else {}  # epoch -> sample indices

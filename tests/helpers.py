@@ -137,7 +137,9 @@ def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
 
     with warnings.catch_warnings():
         # torch 2.11 warns that a profiler keeps one cycle's events; one cycle is all we read.
-        warnings.filterwarnings("ignore", "Profiler clears events", UserWarning)
+        # Its message starts "Warning: Profiler clears ...", and a filter's message must match
+        # from the start.
+        warnings.filterwarnings("ignore", r".*Profiler clears events", UserWarning)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             result = fn()
     assert prof.profiler is not None

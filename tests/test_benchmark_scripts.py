@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,13 +63,52 @@ def test_gpu_check_without_a_gpu_skips_what_needs_one(tmp_path: Path) -> None:
         assert f"| {step} | skipped (no CUDA device" in summary
 
 
-def test_gpu_check_fails_when_a_step_fails(tmp_path: Path) -> None:
-    """A step that fails makes the whole check exit 1, and the summary names it."""
+def _gpu_check() -> Any:
     sys.path.insert(0, str(SCRIPTS))
     try:
         import gpu_check
     finally:
         sys.path.remove(str(SCRIPTS))
+    return gpu_check
+
+
+def _collected(*args: str) -> set[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=SCRIPTS.parent,
+    )
+    return {line for line in done.stdout.splitlines() if "::" in line}
+
+
+def test_gpu_check_runs_make_tests_tests_once_with_the_cuda_ones_alone(tmp_path: Path) -> None:
+    """cuda-tests and the suite together select make test's tests, each once.
+
+    The CUDA tests run only in cuda-tests, with no other test process on the GPU; the suite's
+    own -m replaces pyproject's "not perf", which must still hold.
+    """
+    steps = {s.name: s for s in _gpu_check().plan(tmp_path, suite=True, workers=8)}
+
+    def markers(step: str) -> str:
+        argv = steps[step].argv
+        return argv[argv.index("-m", 2) + 1]  # after "-m pytest"
+
+    module = "tests/test_prefetcher.py"  # it has cuda and perf tests
+    make_test = _collected(module)
+    cuda = _collected("-m", markers("cuda-tests"), module)
+    suite = _collected("-m", markers("suite"), module)
+    assert cuda
+    assert suite
+    assert set() == cuda & suite
+    assert make_test == cuda | suite
+
+
+def test_gpu_check_fails_when_a_step_fails(tmp_path: Path) -> None:
+    """A step that fails makes the whole check exit 1, and the summary names it."""
+    gpu_check = _gpu_check()
     step = gpu_check.Step("boom", ("-c", "raise SystemExit(3)"), 30, False, "exits 3")
     outcome = gpu_check.run_step(step, tmp_path / "steps.log")
     assert ("failed", 3) == (outcome.status, outcome.returncode)

@@ -8,7 +8,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -942,16 +942,61 @@ def test_cuda_source_made_batches_are_waited_for_on_a_side_stream() -> None:
     assert 0 == _check_on_a_side_stream(p, 30, read_late=False)
 
 
+#: How long each copy of the wait canary sleeps on the copy stream first: about 10 ms.
+LATE_COPY_CYCLES = 20_000_000
+
+
+def _copies_start_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each host-to-device copy of the staging starts LATE_COPY_CYCLES late on the copy stream.
+
+    Staging as nostall does it (pinned, then a non-blocking copy on the copy stream, every
+    copy kept for ``record_stream``), but the copy's output is allocated first and the copy
+    stream sleeps before the copy: an allocation that synchronises the device (a new block)
+    happens before the sleep is queued. So the copy is still pending when the batch is handed
+    out, however busy the GPU is with other processes' work.
+    """
+    from nostall._staging import CudaStaging
+
+    def leaf_mover(
+        self: CudaStaging, out: list[torch.Tensor]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            pinned = t.pin_memory()
+            copy = torch.empty(pinned.shape, dtype=pinned.dtype, device=self.device)
+            torch.cuda._sleep(LATE_COPY_CYCLES)
+            copy.copy_(pinned, non_blocking=True)
+            out.append(copy)
+            return copy
+
+        return move
+
+    monkeypatch.setattr(CudaStaging, "_leaf_mover", leaf_mover)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("consumer", ["default", "side"])
+def test_cuda_late_copies_are_waited_for(monkeypatch: pytest.MonkeyPatch, consumer: str) -> None:
+    """The canary's late copies, with the consumer's wait: every batch read right."""
+    _copies_start_late(monkeypatch)
+    p = nostall.prefetch(_filled(40), "cuda", depth=2)
+    check = _check_stream_safety if consumer == "default" else _check_on_a_side_stream
+    assert 0 == check(p, 40, False)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("consumer", ["default", "side"])
 def test_cuda_canary_without_the_wait(monkeypatch: pytest.MonkeyPatch, consumer: str) -> None:
-    """The check has teeth: without the consumer's wait, a read right away overtakes the copy."""
+    """The check has teeth: without the consumer's wait, a read right away overtakes the copy.
+
+    Every copy starts late, so the read is queued, and runs, before its copy whatever else
+    runs on the GPU: with a copy that merely ran long, another process's kernels (the suite
+    under xdist) sometimes let it finish first and the canary saw nothing.
+    """
     from nostall._staging import CudaStaging
 
     monkeypatch.setattr(CudaStaging, "_wait", staticmethod(lambda consumer, ready: None))
-    # 16 MiB batches and a consumer that does nothing else: each read is queued while its
-    # copy is still running.
-    p = nostall.prefetch(_filled(40, 1 << 22), "cuda", depth=2)
+    _copies_start_late(monkeypatch)
+    p = nostall.prefetch(_filled(40), "cuda", depth=2)
     check = _check_stream_safety if consumer == "default" else _check_on_a_side_stream
     assert check(p, 40, False) > 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -61,13 +62,25 @@ class GlobalNoise(Dataset[torch.Tensor]):
 
 
 class OwnNoise(Dataset[torch.Tensor]):
-    """Draws from the generator torch.thread_safe_generator() gives: one per sample."""
+    """Draws from the sample's own generator, as ``generator()`` finds it: one per sample."""
+
+    def __init__(self, generator: Callable[[], torch.Generator | None]) -> None:
+        self.generator = generator
 
     def __len__(self) -> int:
         return 1000
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.rand(2, generator=torch.thread_safe_generator()) + i
+        return torch.rand(2, generator=self.generator()) + i
+
+
+def _worker_rng() -> torch.Generator | None:
+    info = torch.utils.data.get_worker_info()
+    return None if info is None else info.rng.torch_generator
+
+
+def _thread_safe_generator() -> torch.Generator | None:
+    return torch.thread_safe_generator()
 
 
 class Fails(Squares):
@@ -108,8 +121,17 @@ def test_draws_from_the_global_generator_cannot_be_checked() -> None:
     assert "torch.thread_safe_generator()" in result.describe()
 
 
-def test_draws_from_the_samples_own_generator_agree() -> None:
-    assert "agreed" == check_thread_safety(lambda: DataLoader(OwnNoise(), batch_size=8), 4).verdict
+@pytest.mark.parametrize(
+    "generator", [_worker_rng, _thread_safe_generator], ids=lambda f: f.__name__
+)
+def test_draws_from_the_samples_own_generator_agree(
+    generator: Callable[[], torch.Generator | None],
+) -> None:
+    """From get_worker_info().rng, or from torch.thread_safe_generator() where torch has it."""
+    if generator is _thread_safe_generator and not hasattr(torch, "thread_safe_generator"):
+        pytest.skip(f"torch {torch.__version__} has no torch.thread_safe_generator()")
+    result = check_thread_safety(lambda: DataLoader(OwnNoise(generator), batch_size=8), 4)
+    assert "agreed" == result.verdict, result.why
 
 
 def test_an_error_in_the_dataset_is_a_failed_check_not_an_exception() -> None:

@@ -397,16 +397,23 @@ def test_a_dataset_with_getitems_gets_whole_batches() -> None:
 
 
 def test_pin_memory_is_decided_as_the_loaders_iterator_decides() -> None:
-    """Here (no accelerator) neither pins; the premise: the same rule as _BaseDataLoaderIter."""
+    """The premise: the same rule as _BaseDataLoaderIter, on this machine, GPU or not.
+
+    Without an accelerator neither pins (and torch's iterator says so); with one both do.
+    """
     from nostall._torch_compat import pinning_like
 
     plain = DataLoader(Numbers(), batch_size=4, pin_memory=False)
     assert pinning_like(plain) is None
     assert not iter(plain)._pin_memory  # type: ignore[attr-defined]
     pinning = DataLoader(Numbers(), batch_size=4, pin_memory=True)
-    assert pinning_like(pinning) is None
-    with pytest.warns(UserWarning, match="no accelerator is found"):
-        assert not iter(pinning)._pin_memory  # type: ignore[attr-defined]
+    if torch.accelerator.is_available():
+        pins = iter(pinning)._pin_memory  # type: ignore[attr-defined]
+    else:
+        with pytest.warns(UserWarning, match="no accelerator is found"):
+            pins = iter(pinning)._pin_memory  # type: ignore[attr-defined]
+        assert not pins
+    assert pins == (pinning_like(pinning) is not None)
 
 
 def test_pin_memory_batches_go_through_torchs_pinning(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import nostall
@@ -110,7 +111,11 @@ def make_trainer(**kwargs: Any) -> L.Trainer:
         "enable_progress_bar": False,
         "enable_model_summary": False,
     }
-    return L.Trainer(**{**options, **kwargs})
+    with warnings.catch_warnings():
+        # On a machine with a GPU, Lightning warns that a CPU Trainer leaves it unused, even
+        # with accelerator="cpu" (trainer/setup.py); these runs are on the CPU on purpose.
+        warnings.filterwarnings("ignore", "GPU available but not used", PossibleUserWarning)
+        return L.Trainer(**{**options, **kwargs})
 
 
 def run(mode: str, across: bool, workers: int, devices: int) -> tuple[dict[str, Any], L.Trainer]:
