@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, is_prepared_shard
+from ._fabric import IterCount, is_fabric_loader
 from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
@@ -211,8 +212,27 @@ class EpochSource:
             self.stateful = callable(getattr(source, "state_dict", None)) and callable(
                 getattr(source, "load_state_dict", None)
             )
+        #: Over Fabric's loader: its count of iter() calls, which sets the sampler's epoch.
+        self.count = IterCount(source) if is_fabric_loader(source) else None
         self.resume: dict[str, Any] | None = None
         self.captures: dict[int, dict[str, Any]] = {}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """A checked state was loaded: its epoch is resumed by the next epoch opened.
+
+        A state at an epoch's start draws that epoch's order as the sampler's epoch recorded
+        for it says, as if ``set_epoch`` had been called with it now: a loop (or framework)
+        that iterates after ``load_state_dict`` without calling ``set_epoch`` gets the order
+        the uninterrupted run drew, and one that calls it still decides.
+        """
+        self.resume = state
+        replay = None if self.stateful else state["replay"]
+        if replay is None or state["batches_yielded"]:
+            return
+        if replay.get("sampler_epoch") is not None:
+            forward_set_epoch(self.iterable, replay["sampler_epoch"])
+        if self.count is not None:
+            self.count.restore(replay)
 
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
@@ -296,6 +316,8 @@ class EpochSource:
         rng = replay["rng"]
         user_rng = torch.get_rng_state()
         self._restore(rng)
+        if self.count is not None:
+            self.count.restore(replay)
         self.captures = {epoch: {**self._capture(), "fresh_iterator": replay["fresh_iterator"]}}
         try:
             if _persistent(self.source) and not replay["fresh_iterator"]:
@@ -326,11 +348,29 @@ class EpochSource:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self.captures.get(epoch)
 
-    def end_state(self) -> Any:
-        """What a state saved at the end of an epoch needs, to draw the next epoch's order."""
+    def end_state(self, epoch: int, drawn: Any = None) -> Any:
+        """What a state saved at the end of ``epoch`` needs, to draw the next epoch's order.
+
+        ``drawn`` is what ``epoch``'s order was drawn from (default: as recorded when it was
+        opened). The next epoch's sampler epoch is ``epoch + 1`` where the sampler was at
+        ``epoch`` (someone sets it each epoch: the user, a framework, ``across_epochs``),
+        else the one it stays at; over Fabric's loader, its next ``iter()`` count.
+        """
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return {"rng": capture_rng(self.source), "sampler_epoch": None, "fresh_iterator": False}
+        if drawn is None:
+            drawn = self.captures.get(epoch)
+        state: dict[str, Any] = {
+            "rng": capture_rng(self.source),
+            "sampler_epoch": None,
+            "fresh_iterator": False,
+        }
+        if isinstance(drawn, dict) and drawn.get("sampler_epoch") is not None:
+            sampler_epoch = drawn["sampler_epoch"]
+            state["sampler_epoch"] = epoch + 1 if sampler_epoch == epoch else sampler_epoch
+        if self.count is not None:
+            state.update(self.count.after(drawn, _sampler_epoch(self.source)))
+        return state
 
     def start_state(self) -> Any:
         """What a state saved before an epoch's first batch needs.
@@ -341,19 +381,18 @@ class EpochSource:
         """
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return {
-            "rng": capture_rng(self.source),
-            "sampler_epoch": _sampler_epoch(self.source),
-            "fresh_iterator": live_iterator(self.source) is None,
-        }
+        return self._capture()
 
     def _capture(self) -> dict[str, Any]:
-        return {
+        captured: dict[str, Any] = {
             "rng": capture_rng(self.source),
             "sampler_epoch": _sampler_epoch(self.source),
             # A persistent loader's first iterator also draws its workers' base seed.
             "fresh_iterator": live_iterator(self.source) is None,
         }
+        if self.count is not None:
+            captured.update(self.count.drawn(captured["sampler_epoch"]))
+        return captured
 
     def _restore(self, states: dict[str, torch.Tensor]) -> None:
         generators = _generators(self.source)

@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._device import caller_outside_nostall
 from ._exceptions import add_note
 from ._exit import track
+from ._fabric import is_fabric_loader, threads_refusal
 from ._torch_compat import auto_collation, index_sampler, pinning_like
 
 #: Seconds a loading thread waits for work before it ends.
@@ -66,7 +67,8 @@ def check_threadable(source: object, threads: object) -> int | None:
     """``threads`` as given to ``prefetch``: None, or an int >= 1 over a map-style DataLoader.
 
     Raises:
-        TypeError: ``threads`` is not an int, or the source is not a ``DataLoader``.
+        TypeError: ``threads`` is not an int, or the source is not a ``DataLoader`` (Fabric's
+            loader: the message says to pass the raw loader with ``shard=True``).
         ValueError: ``threads`` < 1; a loader with worker processes (``num_workers > 0``: the
             threads replace them, so build it without); an ``IterableDataset``; a DataLoader
             subclass with its own ``__iter__`` (accelerate's, torchdata's stateful one).
@@ -82,6 +84,8 @@ def check_threadable(source: object, threads: object) -> int | None:
         )
     if threads < 1:
         raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
+    if is_fabric_loader(source):
+        raise TypeError(threads_refusal(threads))
     if not isinstance(source, DataLoader):  # accelerate's loaders claim the class: see below
         raise TypeError(
             f"threads= loads a torch.utils.data.DataLoader's batches with threads; got "
