@@ -754,14 +754,15 @@ def test_leaving_an_epoch_early_after_the_next_opened_ahead() -> None:
 # -- a state saved at an epoch's end ------------------------------------------------------------
 
 
-def distributed_loader() -> DataLoader[int]:
+def sixteen_loader() -> DataLoader[int]:
+    """16 samples in batches of 4, through a one-replica DistributedSampler."""
     data = list(range(16))
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
     return DataLoader(data, batch_size=4, sampler=sampler)
 
 
-def distributed_order(epoch: int) -> list[list[int]]:
-    loader = distributed_loader()
+def sixteen_order(epoch: int) -> list[list[int]]:
+    loader = sixteen_loader()
     loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
     return [b.tolist() for b in loader]
 
@@ -772,7 +773,7 @@ def state_at_the_end_of_epoch_1(setter: str, after_end: bool) -> dict[str, Any]:
     Saved after epoch 1's last batch, inside the loop (``after_end`` False), or after the loop
     took the epoch's end.
     """
-    batches = nostall.prefetch(distributed_loader(), "cpu")
+    batches = nostall.prefetch(sixteen_loader(), "cpu")
     state: dict[str, Any] = {}
     for epoch in range(2):
         if setter == "prefetcher":
@@ -795,26 +796,26 @@ def test_a_state_at_an_epoch_end_draws_the_epoch_it_names(setter: str, after_end
 
     The uninterrupted run set each epoch on the DistributedSampler; the state names epoch 2.
     """
-    resumed = nostall.prefetch(distributed_loader(), "cpu")
+    resumed = nostall.prefetch(sixteen_loader(), "cpu")
     resumed.load_state_dict(state_at_the_end_of_epoch_1(setter, after_end))
-    assert distributed_order(2) == [b.tolist() for b in resumed]
+    assert sixteen_order(2) == [b.tolist() for b in resumed]
     resumed.close()
 
 
 @pytest.mark.parametrize("after_end", [False, True], ids=["last-batch", "after-the-end"])
 def test_a_state_at_an_epoch_end_keeps_a_sampler_epoch_nobody_set(after_end: bool) -> None:
     """Nobody set the sampler's epoch: the uninterrupted run drew epoch 0's order each epoch."""
-    resumed = nostall.prefetch(distributed_loader(), "cpu")
+    resumed = nostall.prefetch(sixteen_loader(), "cpu")
     resumed.load_state_dict(state_at_the_end_of_epoch_1("nobody", after_end))
-    assert distributed_order(0) == [b.tolist() for b in resumed]
+    assert sixteen_order(0) == [b.tolist() for b in resumed]
     resumed.close()
 
 
 def test_set_epoch_after_loading_a_state_at_an_epoch_end_still_decides() -> None:
     """The epoch set after load_state_dict wins, as set_epoch before an iteration always does."""
-    resumed = nostall.prefetch(distributed_loader(), "cpu")
+    resumed = nostall.prefetch(sixteen_loader(), "cpu")
     resumed.load_state_dict(state_at_the_end_of_epoch_1("prefetcher", after_end=True))
     resumed.sampler.set_epoch(5)
     with pytest.warns(UserWarning, match="state for epoch 2: the loaded state is dropped"):
-        assert distributed_order(5) == [b.tolist() for b in resumed]
+        assert sixteen_order(5) == [b.tolist() for b in resumed]
     resumed.close()

@@ -188,7 +188,8 @@ class EpochSource:
           is created, so its order is the one ``set_epoch(e)`` gives in a plain loop.
         * A loaded state (``resume``) is used by the first epoch opened with its number, then
           dropped.
-        * ``captures[e]`` holds what epoch e's order was drawn from, once e is open.
+        * ``captures[e]`` holds what epoch e's order was drawn from, once e is open (until
+          e + 2 is opened).
     """
 
     def __init__(
@@ -287,7 +288,7 @@ class EpochSource:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
             return self._iterate(self.iterable), skipped
         if resume is None:
-            self.captures = {epoch: self._capture()}  # older epochs are no longer needed
+            self._record(epoch, self._capture())
             return self._iterate(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
@@ -318,7 +319,7 @@ class EpochSource:
         self._restore(rng)
         if self.count is not None:
             self.count.restore(replay)
-        self.captures = {epoch: {**self._capture(), "fresh_iterator": replay["fresh_iterator"]}}
+        self._record(epoch, {**self._capture(), "fresh_iterator": replay["fresh_iterator"]})
         try:
             if _persistent(self.source) and not replay["fresh_iterator"]:
                 # A fresh persistent loader's first iter() also draws its workers' base seed,
@@ -382,6 +383,16 @@ class EpochSource:
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self._capture()
+
+    def _record(self, epoch: int, captured: dict[str, Any]) -> None:
+        """Keep what ``epoch``'s order was drawn from, and the previous epoch's record.
+
+        A state saved at the previous epoch's end may still ask for it once this epoch was
+        opened ahead; older ones are no longer needed. A new dict each time, so that a reader
+        in another thread sees one whole version.
+        """
+        kept = {e: c for e, c in self.captures.items() if e == epoch - 1}
+        self.captures = {**kept, epoch: captured}
 
     def _capture(self) -> dict[str, Any]:
         captured: dict[str, Any] = {
