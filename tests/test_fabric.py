@@ -31,6 +31,7 @@ pytest.importorskip("lightning")
 from frameworks import fabric_run
 from frameworks.fabric_run import SAVE_AT, make_loader, train
 from lightning.fabric import Fabric
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "frameworks" / "fabric_run.py"
@@ -119,6 +120,49 @@ def test_resume_at_an_epoch_end_over_a_new_fabric_loader(fabric: Fabric, after_e
     resumed.load_state_dict(state)
     assert orders[2] == [b[0].tolist() for b in resumed]
     assert 3 == resumed.epoch
+    resumed.close()
+
+
+class CountingDataset(Dataset[int]):
+    """Sample i is i; counts the samples loaded."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> int:
+        self.loads += 1
+        return index
+
+
+@pytest.mark.parametrize("saved_after", [13, 20], ids=["mid-epoch", "at-the-end"])
+def test_resume_loads_no_skipped_sample(fabric: Fabric, saved_after: int) -> None:
+    """Resumed in epoch 1, Fabric's loader skips what was trained on through its sampler.
+
+    Saved after 3 batches of epoch 1, or after its last one: only what comes next is loaded.
+    """
+
+    def make() -> Any:
+        data = CountingDataset()
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
+        return fabric.setup_dataloaders(DataLoader(data, batch_size=4, sampler=sampler))
+
+    reference = make()
+    orders = [[b.tolist() for b in reference] for _ in range(3)]
+    batches = nostall.prefetch(make())
+    steps = iter(b.tolist() for epoch in range(3) for b in batches)
+    for _ in range(saved_after):
+        next(steps)
+    state = batches.state_dict()
+    batches.close()
+    loader = make()
+    resumed = nostall.prefetch(loader)
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for epoch in range(resumed.epoch, 3) for b in resumed]
+    assert (orders[1] + orders[2])[saved_after - 10 :] == rest
+    assert 4 * len(rest) == loader.dataset.loads
     resumed.close()
 
 

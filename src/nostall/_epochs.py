@@ -6,7 +6,8 @@ source, nostall either asks the source for its own state (``state_dict`` /
 ``load_state_dict``, as torchdata's ``StatefulDataLoader`` has) or records what the order was
 drawn from (the random generators' states and the sampler's epoch) and draws it again, then
 skips the batches already handed out: through the sampler without loading them where the source
-is a map-style ``DataLoader``, else by pulling and dropping them.
+is a map-style ``DataLoader`` (or Lightning Fabric's loader over one), else by pulling and
+dropping them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, is_prepared_shard
-from ._fabric import IterCount, is_fabric_loader
+from ._fabric import IterCount, fabric_inner_loader, fabric_over, is_fabric_loader
 from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
@@ -147,24 +148,21 @@ def skip_ahead(
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
     A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
-    so that the user's loader is untouched; anything else is pulled and dropped. (A loader with
-    persistent workers keeps one iterator, and its draws, across epochs: a copy would make its
-    next epoch draw differently, so it is pulled too.) ``iterate(loader, skipped)`` makes an
-    epoch's iterator (``threads=``: a :class:`~nostall._threads.ThreadedEpoch`).
+    so that the user's loader is untouched, and so does Fabric's loader over one (a copy of it
+    over such a copy: Fabric's own iteration, its count moved on as by an ``iter()``);
+    anything else is pulled and dropped. (A loader with persistent workers keeps one iterator,
+    and its draws, across epochs: a copy would make its next epoch draw differently, so it is
+    pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
+    :class:`~nostall._threads.ThreadedEpoch`).
     """
-    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
-    # but iterate a loader of their own, which a copy's sampler would not reach.
-    if (
-        isinstance(source, DataLoader)
-        and issubclass(type(source), DataLoader)
-        and not isinstance(source.dataset, IterableDataset)
-        and not _persistent(source)
-    ):
-        if source.batch_sampler is not None:
-            clone = copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
-        else:
-            clone = copy_loader(source, sampler=_SkipFirst(source.sampler, count))
+    clone = _skipping_copy(source, count)
+    if clone is not None:
         return iterate(clone, count)
+    inner = fabric_inner_loader(source)
+    if inner is not None:
+        clone = _skipping_copy(inner, count)
+        if clone is not None:
+            return iterate(fabric_over(source, clone), count)
     it = iterate(source, 0)
     for _ in range(count):
         try:
@@ -174,6 +172,22 @@ def skip_ahead(
         except Exception:
             continue  # a batch that raised was handed out as its error: skip it as well
     return it
+
+
+def _skipping_copy(source: object, count: int) -> DataLoader[Any] | None:
+    """A copy of a map-style ``DataLoader`` whose sampler skips ``count`` batches, or None."""
+    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
+    # but iterate a loader of their own, which a copy's sampler would not reach.
+    if (
+        isinstance(source, DataLoader)
+        and issubclass(type(source), DataLoader)
+        and not isinstance(source.dataset, IterableDataset)
+        and not _persistent(source)
+    ):
+        if source.batch_sampler is not None:
+            return copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
+        return copy_loader(source, sampler=_SkipFirst(source.sampler, count))
+    return None
 
 
 def _persistent(source: object) -> bool:

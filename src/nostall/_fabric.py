@@ -5,7 +5,9 @@ sampler's epoch to its own count of ``iter()`` calls (``_num_iter_calls``), over
 ``set_epoch`` made before. That count starts at 0 with every new loader, so in a resumed
 process it would draw epoch 0's order for whichever epoch is resumed. The count is therefore
 part of what an epoch's order is drawn from: nostall records it with the random states
-(:data:`COUNT`), and sets it back before it draws a recorded order again.
+(:data:`COUNT`), and sets it back before it draws a recorded order again. To resume inside an
+epoch, a copy of Fabric's loader over a copy of its DataLoader skips the batches already seen
+through the sampler, as over a plain DataLoader: Fabric's own iteration, nothing loaded.
 
 Everything nostall knows about Fabric is in this module; nothing here imports Fabric (a loader
 is recognised only when Fabric was imported by the user).
@@ -29,6 +31,23 @@ def is_fabric_loader(source: object) -> bool:
         if isinstance(cls, type) and isinstance(source, cls):
             return True
     return False
+
+
+def fabric_inner_loader(source: object) -> Any:
+    """The DataLoader inside Fabric's loader ``source``, or None when it is not one."""
+    return source._dataloader if is_fabric_loader(source) else None  # type: ignore[attr-defined]
+
+
+def fabric_over(loader: Any, dataloader: Any) -> Any:
+    """A Fabric loader like ``loader`` (same class and device) over ``dataloader`` instead.
+
+    Its ``iter()`` sets the sampler's epoch from ``loader``'s count, as ``loader``'s next
+    ``iter()`` would; ``loader``'s count moves on by one, as if that ``iter()`` was its own.
+    """
+    shadow = type(loader)(dataloader, loader.device)
+    shadow._num_iter_calls = loader._num_iter_calls
+    loader._num_iter_calls += 1
+    return shadow
 
 
 class IterCount:
