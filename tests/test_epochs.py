@@ -749,3 +749,73 @@ def test_leaving_an_epoch_early_after_the_next_opened_ahead() -> None:
     assert reference[2] == epoch_lists(p)
     assert 3 == p.epoch
     p.close()
+
+
+# -- a state saved at an epoch's end ------------------------------------------------------------
+
+
+def sixteen_loader() -> DataLoader[int]:
+    """16 samples in batches of 4, through a one-replica DistributedSampler."""
+    data = list(range(16))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    return DataLoader(data, batch_size=4, sampler=sampler)
+
+
+def sixteen_order(epoch: int) -> list[list[int]]:
+    loader = sixteen_loader()
+    loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+    return [b.tolist() for b in loader]
+
+
+def state_at_the_end_of_epoch_1(setter: str, after_end: bool) -> dict[str, Any]:
+    """Two epochs, each set by ``setter`` ("prefetcher", "sampler" or "nobody"), then the state.
+
+    Saved after epoch 1's last batch, inside the loop (``after_end`` False), or after the loop
+    took the epoch's end.
+    """
+    batches = nostall.prefetch(sixteen_loader(), "cpu")
+    state: dict[str, Any] = {}
+    for epoch in range(2):
+        if setter == "prefetcher":
+            batches.set_epoch(epoch)
+        elif setter == "sampler":
+            batches.sampler.set_epoch(epoch)  # as Lightning does
+        for _ in batches:
+            state = batches.state_dict()
+    if after_end:
+        state = batches.state_dict()
+    batches.close()
+    assert (2, 0) == (state["epoch"], state["batches_yielded"])
+    return roundtrip(state)
+
+
+@pytest.mark.parametrize("after_end", [False, True], ids=["last-batch", "after-the-end"])
+@pytest.mark.parametrize("setter", ["prefetcher", "sampler"])
+def test_a_state_at_an_epoch_end_draws_the_epoch_it_names(setter: str, after_end: bool) -> None:
+    """Loaded and iterated without set_epoch (as Lightning and Fabric loops are): epoch 2's order.
+
+    The uninterrupted run set each epoch on the DistributedSampler; the state names epoch 2.
+    """
+    resumed = nostall.prefetch(sixteen_loader(), "cpu")
+    resumed.load_state_dict(state_at_the_end_of_epoch_1(setter, after_end))
+    assert sixteen_order(2) == [b.tolist() for b in resumed]
+    resumed.close()
+
+
+@pytest.mark.parametrize("after_end", [False, True], ids=["last-batch", "after-the-end"])
+def test_a_state_at_an_epoch_end_keeps_a_sampler_epoch_nobody_set(after_end: bool) -> None:
+    """Nobody set the sampler's epoch: the uninterrupted run drew epoch 0's order each epoch."""
+    resumed = nostall.prefetch(sixteen_loader(), "cpu")
+    resumed.load_state_dict(state_at_the_end_of_epoch_1("nobody", after_end))
+    assert sixteen_order(0) == [b.tolist() for b in resumed]
+    resumed.close()
+
+
+def test_set_epoch_after_loading_a_state_at_an_epoch_end_still_decides() -> None:
+    """The epoch set after load_state_dict wins, as set_epoch before an iteration always does."""
+    resumed = nostall.prefetch(sixteen_loader(), "cpu")
+    resumed.load_state_dict(state_at_the_end_of_epoch_1("prefetcher", after_end=True))
+    resumed.sampler.set_epoch(5)
+    with pytest.warns(UserWarning, match="state for epoch 2: the loaded state is dropped"):
+        assert sixteen_order(5) == [b.tolist() for b in resumed]
+    resumed.close()

@@ -155,3 +155,18 @@ def test_readme_framework_code_is_the_tested_example(heading: str, example: str)
     part = section.split(heading + "\n", 1)[1]
     block = part.split("```python\n", 1)[1].split("\n```", 1)[0]
     assert (ROOT / "examples" / example).read_text().rstrip("\n") == block
+
+
+@pytest.mark.parametrize(
+    ("page", "example"),
+    [
+        ("fabric.md", "fabric_train.py"),  # run by tests/test_fabric.py
+        ("lightning.md", "lightning_train.py"),  # run by tests/test_lightning.py
+        ("torchrun.md", "torchrun_resume.py"),  # run by tests/test_torchrun.py
+    ],
+)
+def test_client_page_code_is_the_tested_example(page: str, example: str) -> None:
+    """A docs/clients page's one python block is the example file, which the tests run."""
+    text = (ROOT / "docs" / "clients" / page).read_text()
+    blocks = [part.split("\n```", 1)[0] for part in text.split("```python\n")[1:]]
+    assert [(ROOT / "examples" / example).read_text().rstrip("\n")] == blocks

@@ -7,6 +7,7 @@ The data path, one private module per stage, in the order a batch goes through t
 module imports only those above it::
 
     source (a DataLoader, a list, a generator)
+      |   _fabric         Lightning Fabric's loader: the iter() count that sets its epoch
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
       |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       |   _threads        threads=: the loader's samples fetched by loading threads, in order

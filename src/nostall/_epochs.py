@@ -6,7 +6,8 @@ source, nostall either asks the source for its own state (``state_dict`` /
 ``load_state_dict``, as torchdata's ``StatefulDataLoader`` has) or records what the order was
 drawn from (the random generators' states and the sampler's epoch) and draws it again, then
 skips the batches already handed out: through the sampler without loading them where the source
-is a map-style ``DataLoader``, else by pulling and dropping them.
+is a map-style ``DataLoader`` (or Lightning Fabric's loader over one), else by pulling and
+dropping them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, is_prepared_shard
+from ._fabric import IterCount, fabric_inner_loader, fabric_over, is_fabric_loader
 from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
@@ -148,24 +150,21 @@ def skip_ahead(
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
     A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
-    so that the user's loader is untouched; anything else is pulled and dropped. (A loader with
-    persistent workers keeps one iterator, and its draws, across epochs: a copy would make its
-    next epoch draw differently, so it is pulled too.) ``iterate(loader, skipped)`` makes an
-    epoch's iterator (``threads=``: a :class:`~nostall._threads.ThreadedEpoch`).
+    so that the user's loader is untouched, and so does Fabric's loader over one (a copy of it
+    over such a copy: Fabric's own iteration, its count moved on as by an ``iter()``);
+    anything else is pulled and dropped. (A loader with persistent workers keeps one iterator,
+    and its draws, across epochs: a copy would make its next epoch draw differently, so it is
+    pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
+    :class:`~nostall._threads.ThreadedEpoch`).
     """
-    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
-    # but iterate a loader of their own, which a copy's sampler would not reach.
-    if (
-        isinstance(source, DataLoader)
-        and issubclass(type(source), DataLoader)
-        and not isinstance(source.dataset, IterableDataset)
-        and not _persistent(source)
-    ):
-        if source.batch_sampler is not None:
-            clone = copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
-        else:
-            clone = copy_loader(source, sampler=_SkipFirst(source.sampler, count))
+    clone = _skipping_copy(source, count)
+    if clone is not None:
         return iterate(clone, count)
+    inner = fabric_inner_loader(source)
+    if inner is not None:
+        clone = _skipping_copy(inner, count)
+        if clone is not None:
+            return iterate(fabric_over(source, clone), count)
     it = iterate(source, 0)
     for _ in range(count):
         try:
@@ -175,6 +174,22 @@ def skip_ahead(
         except Exception:
             continue  # a batch that raised was handed out as its error: skip it as well
     return it
+
+
+def _skipping_copy(source: object, count: int) -> DataLoader[Any] | None:
+    """A copy of a map-style ``DataLoader`` whose sampler skips ``count`` batches, or None."""
+    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
+    # but iterate a loader of their own, which a copy's sampler would not reach.
+    if (
+        isinstance(source, DataLoader)
+        and issubclass(type(source), DataLoader)
+        and not isinstance(source.dataset, IterableDataset)
+        and not _persistent(source)
+    ):
+        if source.batch_sampler is not None:
+            return copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
+        return copy_loader(source, sampler=_SkipFirst(source.sampler, count))
+    return None
 
 
 def _persistent(source: object) -> bool:
@@ -189,7 +204,8 @@ class EpochSource:
           is created, so its order is the one ``set_epoch(e)`` gives in a plain loop.
         * A loaded state (``resume``) is used by the first epoch opened with its number, then
           dropped.
-        * ``captures[e]`` holds what epoch e's order was drawn from, once e is open.
+        * ``captures[e]`` holds what epoch e's order was drawn from, once e is open (until
+          e + 2 is opened).
     """
 
     def __init__(
@@ -218,8 +234,27 @@ class EpochSource:
             self.stateful = callable(getattr(source, "state_dict", None)) and callable(
                 getattr(source, "load_state_dict", None)
             )
+        #: Over Fabric's loader: its count of iter() calls, which sets the sampler's epoch.
+        self.count = IterCount(source) if is_fabric_loader(source) else None
         self.resume: dict[str, Any] | None = None
         self.captures: dict[int, dict[str, Any]] = {}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """A checked state was loaded: its epoch is resumed by the next epoch opened.
+
+        A state at an epoch's start draws that epoch's order as the sampler's epoch recorded
+        for it says, as if ``set_epoch`` had been called with it now: a loop (or framework)
+        that iterates after ``load_state_dict`` without calling ``set_epoch`` gets the order
+        the uninterrupted run drew, and one that calls it still decides.
+        """
+        self.resume = state
+        replay = None if self.stateful else state["replay"]
+        if replay is None or state["batches_yielded"]:
+            return
+        if replay.get("sampler_epoch") is not None:
+            forward_set_epoch(self.iterable, replay["sampler_epoch"])
+        if self.count is not None:
+            self.count.restore(replay)
 
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
@@ -274,7 +309,7 @@ class EpochSource:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
             return self._iterate(self.iterable), skipped
         if resume is None:
-            self.captures = {epoch: self._capture()}  # older epochs are no longer needed
+            self._record(epoch, self._capture())
             return self._iterate(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
@@ -303,7 +338,9 @@ class EpochSource:
         rng = replay["rng"]
         user_rng = torch.get_rng_state()
         self._restore(rng)
-        self.captures = {epoch: {**self._capture(), "fresh_iterator": replay["fresh_iterator"]}}
+        if self.count is not None:
+            self.count.restore(replay)
+        self._record(epoch, {**self._capture(), "fresh_iterator": replay["fresh_iterator"]})
         try:
             if _persistent(self.source) and not replay["fresh_iterator"]:
                 # A fresh persistent loader's first iter() also draws its workers' base seed,
@@ -333,11 +370,29 @@ class EpochSource:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self.captures.get(epoch)
 
-    def end_state(self) -> Any:
-        """What a state saved at the end of an epoch needs, to draw the next epoch's order."""
+    def end_state(self, epoch: int, drawn: Any = None) -> Any:
+        """What a state saved at the end of ``epoch`` needs, to draw the next epoch's order.
+
+        ``drawn`` is what ``epoch``'s order was drawn from (default: as recorded when it was
+        opened). The next epoch's sampler epoch is ``epoch + 1`` where the sampler was at
+        ``epoch`` (someone sets it each epoch: the user, a framework, ``across_epochs``),
+        else the one it stays at; over Fabric's loader, its next ``iter()`` count.
+        """
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return {"rng": capture_rng(self.source), "sampler_epoch": None, "fresh_iterator": False}
+        if drawn is None:
+            drawn = self.captures.get(epoch)
+        state: dict[str, Any] = {
+            "rng": capture_rng(self.source),
+            "sampler_epoch": None,
+            "fresh_iterator": False,
+        }
+        if isinstance(drawn, dict) and drawn.get("sampler_epoch") is not None:
+            sampler_epoch = drawn["sampler_epoch"]
+            state["sampler_epoch"] = epoch + 1 if sampler_epoch == epoch else sampler_epoch
+        if self.count is not None:
+            state.update(self.count.after(drawn, _sampler_epoch(self.source)))
+        return state
 
     def start_state(self) -> Any:
         """What a state saved before an epoch's first batch needs.
@@ -348,19 +403,28 @@ class EpochSource:
         """
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return {
-            "rng": capture_rng(self.source),
-            "sampler_epoch": _sampler_epoch(self.source),
-            "fresh_iterator": live_iterator(self.source) is None,
-        }
+        return self._capture()
+
+    def _record(self, epoch: int, captured: dict[str, Any]) -> None:
+        """Keep what ``epoch``'s order was drawn from, and the previous epoch's record.
+
+        A state saved at the previous epoch's end may still ask for it once this epoch was
+        opened ahead; older ones are no longer needed. A new dict each time, so that a reader
+        in another thread sees one whole version.
+        """
+        kept = {e: c for e, c in self.captures.items() if e == epoch - 1}
+        self.captures = {**kept, epoch: captured}
 
     def _capture(self) -> dict[str, Any]:
-        return {
+        captured: dict[str, Any] = {
             "rng": capture_rng(self.source),
             "sampler_epoch": _sampler_epoch(self.source),
             # A persistent loader's first iterator also draws its workers' base seed.
             "fresh_iterator": live_iterator(self.source) is None,
         }
+        if self.count is not None:
+            captured.update(self.count.drawn(captured["sampler_epoch"]))
+        return captured
 
     def _restore(self, states: dict[str, torch.Tensor]) -> None:
         generators = _generators(self.source)

@@ -244,7 +244,7 @@ class PrefetchIterator(Iterator[T]):
         epochs = lineage.epochs
         self._stop("the epoch was complete (len(source) batches) when a new iter() began")
         self._state = Lifecycle.DONE
-        after = AS_BUILT if epochs.stateful else epochs.end_state()
+        after = AS_BUILT if epochs.stateful else epochs.end_state(puller.epoch)
         lineage.at = lineage.at.after(puller.epoch + 1, 0, after)
         if epochs.mirror is not None:
             epochs.mirror.abandon()  # accelerate's own iterator would not have ended either

@@ -393,8 +393,8 @@ class Prefetcher(Generic[T]):
             active._stop("load_state_dict() was called on the Prefetcher")
         lineage.discard_ahead()
         lineage.at = at
-        lineage.epochs.resume = at.loaded
-        lineage.marks = lineage.epochs.marks()
+        lineage.epochs.load(state)  # checked by loaded_position
+        lineage.marks = lineage.epochs.marks()  # as the state left them: not set by someone else
         if state.get("transform") is not None and self._staging.transform is not None:
             lineage.pending_transform_state = at.transform_state
 

@@ -14,6 +14,7 @@ noticed (producer threads do not survive one).
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -155,7 +156,8 @@ class Puller:
                 self.epoch, self.pulled = epoch + 1, 0
             else:
                 self.finished = True
-            return self._with_state(END, index, epoch, epochs.end_state, epochs.after_pull(True))
+            end_state = functools.partial(epochs.end_state, epoch)
+            return self._with_state(END, index, epoch, end_state, epochs.after_pull(True))
         except BaseException as e:
             self.pulled += 1  # the source moved past it: the next pull asks for the next batch
             where = f"raised by next(source) for batch {index}, in {name!r}"

@@ -28,6 +28,7 @@ import torch
 
 from ._arguments import kind
 from ._epochs import EpochSource, describe_order
+from ._fabric import check_count
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1
@@ -113,7 +114,8 @@ def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
         # from here starts the next epoch, not an empty rest of this one; how this epoch ended
         # is replayed if the resumed loop asks for the end.
         end_of = {**saved, "batches": handed_out} if isinstance(saved, dict) else None
-        epoch, handed_out, saved = epoch + 1, 0, {**epochs.end_state(), "end_of": end_of}
+        after = epochs.end_state(epoch, saved)
+        epoch, handed_out, saved = epoch + 1, 0, {**after, "end_of": end_of}
     state: dict[str, Any] = {
         "nostall": STATE_VERSION,
         "epoch": epoch,
@@ -231,6 +233,7 @@ def _check_replay(replay: dict[str, Any]) -> None:
             f"state['replay']['fresh_iterator'] must be True or False (got "
             f"{replay.get('fresh_iterator')!r}); pass a state from Prefetcher.state_dict()"
         )
+    check_count(replay)
     rng = replay.get("rng")
     if not isinstance(rng, dict) or "torch" not in rng:
         raise ValueError(

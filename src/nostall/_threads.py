@@ -56,6 +56,7 @@ from ._accelerate import prepared_loader_types, unthreadable_shard
 from ._device import caller_outside_nostall
 from ._exceptions import add_note
 from ._exit import track
+from ._fabric import is_fabric_loader, threads_refusal
 from ._torch_compat import auto_collation, index_sampler, pinning_like
 from ._transformers import is_trainer_seed_worker
 
@@ -74,7 +75,8 @@ def check_threadable(source: object, threads: object) -> int | None:
 
     Raises:
         TypeError: ``threads`` is not an int, or the source is not a ``DataLoader`` (an
-            ``IterableDataset`` is told to leave threads out).
+            ``IterableDataset`` is told to leave threads out; Fabric's loader is told to pass
+            the raw loader with ``shard=True``).
         ValueError: ``threads`` < 1; then, in this order, so that the first refusal's fix is
             one that works: an ``IterableDataset``, or a DataLoader subclass with its own
             ``__iter__`` (torchdata's stateful one), which no setting makes threadable; a
@@ -95,6 +97,8 @@ def check_threadable(source: object, threads: object) -> int | None:
         )
     if threads < 1:
         raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
+    if is_fabric_loader(source):
+        raise TypeError(threads_refusal(threads))
     if isinstance(source, IterableDataset):  # a webdataset pipeline, WebLoader, HF's stream
         raise TypeError(
             f"threads= fetches a DataLoader's samples by index, and "
