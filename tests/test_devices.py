@@ -485,3 +485,27 @@ def test_nvml_that_fails_to_start_gives_no_nvml_data(monkeypatch: pytest.MonkeyP
     (found,) = nostall.cuda.devices()
     assert 1 << 30 == found.free_bytes  # from CUDA: device 0 already has a context
     assert (None, None, None, None, None) == _nvml_fields(found)
+
+
+def test_memory_report_and_release_on_mps_read_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On MPS the figures are Metal's, not the host's (the CPU branch reads /proc)."""
+    from nostall import _devices
+
+    mps = SimpleNamespace(
+        current_allocated_memory=lambda: 3 * 2**20,
+        driver_allocated_memory=lambda: 8 * 2**20,
+        recommended_max_memory=lambda: 64 * 2**20,
+    )
+
+    def empty_cache() -> None:
+        mps.driver_allocated_memory = lambda: 5 * 2**20
+
+    mps.empty_cache = empty_cache
+    monkeypatch.setattr(_devices, "resolve_device", lambda device: torch.device("mps"))
+    monkeypatch.setattr(torch, "mps", mps)
+    report = nostall.cuda.memory_report("mps")
+    assert (3, 8, 3, 56, 64) == tuple(
+        v // 2**20
+        for v in (report.allocated, report.reserved, report.peak, report.free, report.total)
+    )
+    assert 3 * 2**20 == nostall.cuda.release_cached_memory("mps")

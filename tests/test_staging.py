@@ -94,3 +94,58 @@ def test_cuda_staging_takes_the_transform_checkpoint_on_the_copy_side(sim: Simul
     torch.cuda.synchronize()
     assert [o.cpu().tolist() for o in out] == [[0, 0], [1, 1]]
     assert sim.hazards == []
+
+
+# --- MPS: staged in the consumer's thread ----------------------------------------------------
+
+
+def test_mps_stages_in_the_consumers_thread() -> None:
+    """A second thread's MPS work can abort inside Metal: MPS batches move where the model runs."""
+    from nostall._staging import ConsumerThreadStaging, staging_for
+
+    assert isinstance(staging_for(torch.device("mps"), False, None), ConsumerThreadStaging)
+    assert type(staging_for(torch.device("cpu"), False, None)) is Staging
+
+
+class ThreadNotingTransform(CountingTransform):
+    """A stateful transform that notes the thread it runs in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(batch)
+
+
+def test_consumer_thread_staging_transforms_at_hand_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fetched ahead by the producer, transformed in the loop's thread.
+
+    A state saved after a batch holds the transform's state right after that batch.
+    """
+    import threading
+
+    import nostall
+    from nostall import _prefetcher
+    from nostall._staging import ConsumerThreadStaging
+
+    def consumer_thread_staging(device: torch.device, pin: bool, transform: Any) -> Staging:
+        return ConsumerThreadStaging(device, transform)
+
+    monkeypatch.setattr(_prefetcher, "staging_for", consumer_thread_staging)
+    data = [torch.full((2,), float(i)) for i in range(4)]
+    transform = ThreadNotingTransform()
+    p = nostall.prefetch(data, "cpu", transform=transform)
+    got = []
+    for batch in p:
+        got.append(float(batch[0]))
+        if len(got) == 2:
+            saved = p.state_dict()
+    assert [0.0, 2.0, 4.0, 6.0] == got  # batch i plus the i batches before it
+    assert [threading.current_thread().name] * 4 == transform.threads
+    resumed = nostall.prefetch(data, "cpu", transform=ThreadNotingTransform())
+    resumed.load_state_dict(saved)
+    assert [4.0, 6.0] == [float(b[0]) for b in resumed]

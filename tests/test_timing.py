@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +106,53 @@ def test_cuda_run_concurrently_prevents_the_seed_004_race() -> None:
     fill(x)
     (right,) = nostall.cuda.run_concurrently(lambda: x.sum())
     assert float(right) == float(n)
+
+
+def test_timer_on_another_accelerator_synchronises_around_the_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On MPS or XPU the ops are asynchronous: the timing waits for the device at both ends."""
+    from nostall import _timing
+
+    events: list[str] = []
+    monkeypatch.setattr(
+        torch.accelerator, "synchronize", lambda device=None: events.append(f"sync {device}")
+    )
+    monkeypatch.setattr(_timing, "resolve_device", lambda device: torch.device("mps"))
+    with nostall.cuda.Timer("mps") as t:
+        events.append("work")
+    assert ["sync mps", "work", "sync mps"] == events
+    assert t.seconds >= 0.0
+
+
+def test_timeit_flushes_l2_before_each_run_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each timed run starts with a cold L2 (flush_l2=True, the default); False keeps it warm."""
+    from nostall import _timing
+
+    order: list[str] = []
+
+    def flusher(device: torch.device) -> Any:
+        return lambda: order.append("flush")
+
+    monkeypatch.setattr(_timing, "_l2_flusher", flusher)
+    _timing.timeit(lambda: order.append("run"), repeat=3, warmup=1, device="cpu")
+    assert ["run", "flush", "run", "flush", "run", "flush", "run"] == order
+    order.clear()
+    _timing.timeit(lambda: order.append("run"), repeat=2, warmup=0, device="cpu", flush_l2=False)
+    assert ["run", "run"] == order
+
+
+def test_the_l2_flusher_writes_twice_the_l2_of_the_device() -> None:
+    """Twice the L2 size the device reports (64 MiB at least), on the device; none on the CPU."""
+    from simcuda import simulated_cuda
+
+    from nostall import _timing
+
+    assert _timing._l2_flusher(torch.device("cpu")) is None
+    with simulated_cuda():
+        flush = _timing._l2_flusher(torch.device("cuda", 0))
+        assert flush is not None
+        buffer = flush.__self__  # type: ignore[attr-defined]
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)
+        assert buffer.is_cuda
+        assert 2 * max(l2, 64 * 2**20) == buffer.numel() * buffer.element_size()

@@ -288,9 +288,16 @@ def memory_report(device: DeviceLike = None) -> MemoryReport:
     """Allocated, reserved, peak, free and total memory of ``device``.
 
     On the CPU, allocated and peak are this process's resident and peak resident memory, and
-    reserved equals allocated (there is no caching allocator to report on).
+    reserved equals allocated (there is no caching allocator to report on). On MPS: the
+    tensors' memory, the memory Metal's driver holds for this process (reserved), and the
+    recommended working set as the total; MPS keeps no peak, so peak is the current figure.
     """
     dev = resolve_device(device)
+    if dev.type == "mps":
+        allocated = int(torch.mps.current_allocated_memory())
+        reserved = int(torch.mps.driver_allocated_memory())
+        total = int(torch.mps.recommended_max_memory())
+        return MemoryReport(str(dev), allocated, reserved, allocated, total - reserved, total)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         return MemoryReport(
@@ -329,9 +336,14 @@ def release_cached_memory(device: DeviceLike = None) -> int:
     for reuse: memory held by live tensors stays allocated until those tensors are gone, so
     drop your references (and let the garbage collector run) first. It makes the memory
     visible to other processes and to ``nvidia-smi``; it does not make this process faster,
-    and the next allocations pay for fresh ``cudaMalloc`` calls. A no-op off CUDA (returns 0).
+    and the next allocations pay for fresh ``cudaMalloc`` calls. On MPS, ``torch.mps.empty_cache()``
+    the same way. A no-op elsewhere (returns 0).
     """
     dev = resolve_device(device)
+    if dev.type == "mps":
+        before = int(torch.mps.driver_allocated_memory())
+        torch.mps.empty_cache()
+        return before - int(torch.mps.driver_allocated_memory())
     if dev.type != "cuda":
         return 0
     before = torch.cuda.memory_reserved(dev)

@@ -197,6 +197,17 @@ class PrefetchIterator(Iterator[T]):
                 lineage.at.advance(epoch, self._index, state, None)
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
+            if self._staging.late:
+                # Moved and transformed here and now (MPS): the transform's checkpoint is the
+                # one right after it.
+                try:
+                    batch = self._staging.hand_out(payload)
+                finally:
+                    state_now = self._staging.transform_state()
+                    lineage.at.advance(epoch, self._index, state, state_now)
+                if mirror is not None:
+                    mirror.hand_out(hook, end=False)
+                return batch  # type: ignore[no-any-return]
             lineage.at.advance(epoch, self._index, state, payload.transform_state)
             if mirror is not None:
                 mirror.hand_out(hook, end=False)

@@ -29,7 +29,7 @@ from ._source_checks import (
     warn_about_epochs,
     warn_inexact_resume,
 )
-from ._staging import CudaStaging, Staging
+from ._staging import Staging, staging_for
 from ._threads import check_threadable
 
 T = TypeVar("T")
@@ -213,12 +213,9 @@ class Prefetcher(Generic[T]):
             "transform": transform,
             "threads": threads,
         }
-        if self.device.type == "cuda":
-            self._pin_memory = True if pin_memory is None else pin_memory
-            self._staging: Staging = CudaStaging(self.device, self._pin_memory, transform)
-        else:
-            self._pin_memory = False  # pinned memory only speeds up copies to a GPU
-            self._staging = Staging(self.device, transform)
+        # pinned memory only speeds up copies to a GPU
+        self._pin_memory = (pin_memory is not False) if self.device.type == "cuda" else False
+        self._staging: Staging = staging_for(self.device, self._pin_memory, transform)
         mirror = ShardMirror(source) if is_prepared_shard(source) else None
         refuse_unsupported(source, across_epochs, mirror)
         self._shard = shard

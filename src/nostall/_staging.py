@@ -40,12 +40,16 @@ class Staged(NamedTuple):
 
 
 class Staging:
-    """Moves batches to a device that needs no stream handling (CPU, MPS, ...).
+    """Moves batches to a device that needs no stream handling (the CPU, XPU, ...).
 
     Steps: copy (tensors not on the device yet) -> transform -> no ready event (the consumer's
     own thread reads the batch after it was made). ``check_consumer`` and ``hand_out`` run in
     the consumer thread.
     """
+
+    #: True where the batch is moved and transformed in the consumer's thread, at hand-out
+    #: (:class:`ConsumerThreadStaging`); the producer then only fetches it.
+    late = False
 
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None = None) -> None:
         self.device = device
@@ -106,6 +110,39 @@ class Staging:
     def hand_out(self, staged: Staged) -> Any:
         """Return the batch, ready for use by the calling thread (consumer thread)."""
         return staged.batch
+
+
+class ConsumerThreadStaging(Staging):
+    """Fetches in the producer thread; moves and transforms in the consumer's thread (MPS).
+
+    On MPS, device work issued from a second thread runs concurrently with the model's own,
+    which aborts inside Metal on affected versions (pytorch/pytorch#197805): the producer
+    thread fetches and collates the batch ahead, on the host, and the copy to the device and
+    the transform run where the model runs, when the batch is handed out. The transform's
+    checkpoint is read right after it, there.
+    """
+
+    late = True
+
+    def stage(self, batch: Any) -> Staged:
+        """Nothing to do in the producer thread: the batch stays on the host."""
+        return Staged(batch, None, [], None)
+
+    def hand_out(self, staged: Staged) -> Any:
+        """Copy the batch to the device and transform it, in the consumer's thread."""
+        return Staging.stage(self, staged.batch).batch
+
+
+def staging_for(device: torch.device, pin: bool, transform: Callable[[Any], Any] | None) -> Staging:
+    """The staging of a prefetcher to ``device``.
+
+    Streams on CUDA, the consumer's thread on MPS, the producer thread elsewhere.
+    """
+    if device.type == "cuda":
+        return CudaStaging(device, pin, transform)
+    if device.type == "mps":
+        return ConsumerThreadStaging(device, transform)
+    return Staging(device, transform)
 
 
 class CudaStaging(Staging):
