@@ -860,3 +860,30 @@ def test_loading_threads_run_on_the_prefetchers_device_and_source_stream(
     source_stream = p._staging.source_stream.id
     assert {(index, source_stream)} == set(dataset.seen)
     assert sim.hazards == []
+
+
+# --- views with gaps are made contiguous before pinning --------------------------------------
+
+
+@pytest.mark.parametrize("pinned_by", ["prefetch", "pin_memory"])
+def test_views_with_gaps_are_pinned_without_their_gaps(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, pinned_by: str
+) -> None:
+    """``x[:, ::4]`` pinned as it is pins (and copies) four times its data: compact it first."""
+    pin = torch.Tensor.pin_memory
+    spans: list[tuple[int, int]] = []
+
+    def noting(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        spans.append((t.numel(), t.untyped_storage().nbytes() // t.element_size()))
+        return pin(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", noting)
+    whole = torch.arange(4 * 64.0).reshape(4, 64)
+    views = [whole[:, ::4], whole.t()]  # gaps; dense (a transpose): pinned as it is
+    if pinned_by == "prefetch":
+        got = [b.cpu() for b in nostall.prefetch(views, "cuda")]
+    else:
+        got = [b.cpu() for b in nostall.cuda.pin_memory(views)]
+    assert all(torch.equal(v, g) for v, g in zip(views, got, strict=True))
+    assert [(64, 64), (256, 256)] == spans  # the view's data alone, then the whole transpose
+    assert sim.hazards == []

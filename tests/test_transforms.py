@@ -650,3 +650,39 @@ def test_cuda_crop_allocations_stay_within_the_output() -> None:
     peak, out = cuda_peak_bytes(lambda: crop(x))
     output = out.numel() * out.element_size()  # 12 MiB: whole-batch float input would be 48
     assert peak <= 1.5 * output + (2 << 20), (peak, output)
+
+
+def test_normalize_cache_is_safe_from_several_threads() -> None:
+    """Two prefetchers sharing one Normalize: evictions from several threads never collide.
+
+    The cache's deletes are slowed down so that, without the lock, two threads pick the same
+    oldest entry and the second delete fails.
+    """
+    import threading
+    import time
+
+    class SlowDeletes(dict):  # type: ignore[type-arg]
+        def __delitem__(self, key: Any) -> None:
+            time.sleep(0.002)  # another thread runs here
+            super().__delitem__(key)
+
+    norm = T.Normalize(MEAN, STD)
+    norm._cache = SlowDeletes()
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def hammer(k: int) -> None:
+        start.wait()
+        try:
+            for i in range(30):
+                norm._coefficients(torch.zeros(1, 3, 1, 1), float(4 * i + k + 1), torch.float32)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [] == errors
+    assert len(norm._cache) <= T.Normalize._CACHED

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _copy_streams
-from ._transfer import call_pin_memory, call_to, record_stream
+from ._transfer import call_pin_memory, call_to, compact, record_stream
 from ._tree import UNHANDLED, iter_tensors, map_tensors
 
 
@@ -245,7 +245,7 @@ class CudaStaging(Staging):
             if t.device.type == "cpu":
                 pinned = t.is_pinned()
                 if pin and not pinned:
-                    t, pinned = t.pin_memory(), True
+                    t, pinned = compact(t).pin_memory(), True
                 t = t.to(device, non_blocking=pinned)
             elif t.device != device:
                 t = t.to(device)  # a batch on another GPU: moved explicitly, never left behind

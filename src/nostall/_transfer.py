@@ -30,8 +30,11 @@ def to_device(batch: T, device: DeviceLike, *, non_blocking: bool = False) -> T:
     Args:
         batch: a tensor or any nested structure holding tensors.
         device: where to move them (see :func:`nostall.prefetch` for what is accepted).
-        non_blocking: passed to ``Tensor.to``. Only a copy from pinned host memory to a GPU is
-            truly asynchronous, and reading the result on another stream needs a wait first.
+        non_blocking: passed to ``Tensor.to``. Asynchronous are a copy from pinned host memory
+            to a GPU, and a copy from a GPU to the host (PyTorch then allocates the result in
+            pinned memory): after the latter the host must synchronise (the stream or an
+            event) before reading the result. Reading a copy's result on another stream needs
+            a wait first. From pageable host memory to a GPU the copy is synchronous.
 
     Raises:
         DeviceUnavailableError: ``device`` does not exist on this machine.
@@ -81,7 +84,24 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _pin_tensor(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or t.is_pinned():
         return t
-    return t.pin_memory()
+    return compact(t).pin_memory()
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it where it is a view with gaps (``x[:, ::4]``).
+
+    ``pin_memory()`` keeps a tensor's strides, so it pins the whole span the view reaches:
+    four times its data for ``x[:, ::4]``, and the copy to the GPU moves all of it. A
+    contiguous copy first pins and moves only the data; ``.to()`` of such a view gives a
+    contiguous tensor anyway. Dense views (a permutation, channels-last) and expanded ones
+    (stride 0) are returned as they are.
+    """
+    if t.numel() == 0 or t.layout != torch.strided:
+        return t
+    span = 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)
+    )
+    return t.contiguous() if span > t.numel() else t
 
 
 def call_pin_memory(obj: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,10 @@ class Normalize(Transform):
 
     #: Coefficient pairs kept on devices (one per device, dtype and stream in use).
     _CACHED = 8
+    #: One lock for every instance's cache (a lock per instance would not pickle): a
+    #: transform shared by two prefetchers, or called by the producer and the consumer, must
+    #: not evict the same entry twice or read one half-made.
+    _CACHE_LOCK = threading.Lock()
 
     def __init__(
         self,
@@ -79,6 +84,13 @@ class Normalize(Transform):
         # Per stream on CUDA: a cached tensor written on one stream is only ever read there
         # (reading it from another would need a wait first).
         key = (device, dtype, scale, current_stream(device))
+        with self._CACHE_LOCK:
+            return self._cached(key, device, scale, dtype)
+
+    def _cached(
+        self, key: tuple[Any, ...], device: torch.device, scale: float, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The coefficients for ``key``, made and cached if missing; the caller holds the lock."""
         coefficients = self._cache.get(key)
         if coefficients is None:
             shape = (1, len(self.mean), 1, 1)
