@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, is_prepared_shard
+from ._global_draws import DrawWatch
 from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
@@ -196,8 +197,12 @@ class EpochSource:
         across_epochs: bool,
         mirror: ShardMirror | None = None,
         threads: int | None = None,
+        *,
+        transform: bool = False,
     ) -> None:
         self.source = source
+        #: Whether the source draws from the global generators; pulled in step while it may.
+        self.draws = DrawWatch(source, threads=threads, transform=transform)
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on.
         self.pool = None if threads is None else Pool(threads, "nostall-load")
         #: Batches a threaded epoch may start ahead: the current channel's free slots.
@@ -218,7 +223,14 @@ class EpochSource:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
         if self.pool is None:
             return iter(loader)
-        return ThreadedEpoch(loader, self.pool, lambda: self.room(), skipped)
+        draws = self.draws
+        return ThreadedEpoch(
+            loader,
+            self.pool,
+            lambda: 0 if draws.in_step else self.room(),
+            skipped,
+            inline=lambda: draws.in_step,  # its samples' draws in order, in the pulling thread
+        )
 
     @property
     def iterable(self) -> Iterable[Any]:

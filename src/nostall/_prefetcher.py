@@ -192,7 +192,7 @@ class Prefetcher(Generic[T]):
         self._shard = shard
         self._lineage = Lineage(
             isinstance(source, Iterator),
-            EpochSource(source, across_epochs, mirror, threads),
+            EpochSource(source, across_epochs, mirror, threads, transform=transform is not None),
             self._staging.transform_state(),
         )
         self._recorder = StallRecorder(self.device) if profile else None

@@ -230,8 +230,16 @@ class ThreadedEpoch(Iterator[Any]):
         pool: Pool,
         room: Callable[[], int] = lambda: 0,
         first_batch: int = 0,
+        *,
+        inline: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``room()``: batches that may be started ahead; ``first_batch``: the batches skipped."""
+        """``room()``: batches that may be started ahead; ``first_batch``: the batches skipped.
+
+        ``inline()``: load the samples of the batches started now one at a time in the calling
+        thread (a dataset that may draw from the global generators: see
+        :mod:`nostall._global_draws`).
+        """
+        self.inline = inline
         _install_worker_info()
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
@@ -322,4 +330,11 @@ class ThreadedEpoch(Iterator[Any]):
             finally:
                 _local.info = None
 
+        if self.inline():
+            done: Future[Any] = Future()
+            try:
+                done.set_result(task(0))
+            except BaseException as e:
+                done.set_exception(e)
+            return done
         return self.pool.submit(task)
