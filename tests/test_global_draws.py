@@ -272,3 +272,85 @@ def test_lists_and_worker_loaders_start_clear() -> None:
     assert not DrawWatch([torch.zeros(1)]).in_step
     assert DrawWatch([torch.zeros(1)], transform=True).in_step
     assert DrawWatch(loader()).in_step
+
+
+@pytest.mark.cuda
+def test_a_collator_drawing_from_cudas_generator_is_seen() -> None:
+    torch.zeros(1, device="cuda")  # CUDA initialised, as in a training process
+
+    def cuda_mask(batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(batch) * torch.rand((), device="cuda").cpu()
+
+    before = snapshot()
+    torch.rand(1, device="cuda")
+    assert CUDA in moved(before, snapshot())
+    with pytest.warns(GlobalDrawsWarning, match=r"torch\.cuda's generator"):
+        for _ in nostall.prefetch(loader(collate_fn=cuda_mask), "cuda"):
+            pass
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_collator_drawing_from_the_global_generator_sees_the_plain_loops_draws() -> None:
+    """Dropout on the GPU, masks drawn on the CPU, batches copied on nostall's stream."""
+
+    def run(batches: Callable[[], Iterable[torch.Tensor]]) -> list[float]:
+        net = model().cuda()
+        torch.manual_seed(0)
+        losses = []
+        for batch in batches():
+            out = net(batch.cuda(non_blocking=True))
+            loss = out.pow(2).mean() + torch.rand(()).cuda()  # the loop draws on the CPU too
+            loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    expected = run(lambda: loader(collate_fn=mask))
+    with pytest.warns(GlobalDrawsWarning):
+        actual = run(lambda: nostall.prefetch(loader(collate_fn=mask), "cuda"))
+    assert expected == actual
+
+
+def test_a_language_modelling_collator_with_seed_none_sees_the_plain_loops_draws() -> None:
+    """Hugging Face's DataCollatorForLanguageModeling (seed=None) and a BERT with dropout."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {token: i for i, token in enumerate([*special, *(f"w{i}" for i in range(20))])}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        **{f"{name}_token": f"[{name.upper()}]" for name in ("pad", "unk", "cls", "sep", "mask")},
+    )
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+    examples = [{"input_ids": [2, *(5 + (i * 7 + j) % 20 for j in range(8)), 3]} for i in range(32)]
+    config = transformers.BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+
+    def run(batches: Callable[[], Iterable[Any]]) -> list[float]:
+        torch.manual_seed(1)
+        bert = transformers.BertForMaskedLM(config).train()
+        optimiser = torch.optim.SGD(bert.parameters(), lr=0.1)
+        torch.manual_seed(0)
+        losses = []
+        for batch in batches():
+            loss = bert(**batch).loss
+            loss.backward()
+            optimiser.step()
+            optimiser.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def build() -> DataLoader[Any]:
+        return DataLoader(examples, batch_size=4, shuffle=True, collate_fn=collator)  # type: ignore[arg-type]
+
+    expected = run(build)
+    with pytest.warns(GlobalDrawsWarning, match="collate_fn \\(DataCollatorForLanguageModeling\\)"):
+        actual = run(lambda: nostall.prefetch(build(), "cpu"))
+    assert expected == actual

@@ -45,8 +45,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import DataLoader, default_collate, default_convert
 
 from ._device import caller_outside_nostall
 

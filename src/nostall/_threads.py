@@ -18,7 +18,9 @@ Invariants:
       ``torch.utils.data.get_worker_info().rng``) give it in the loading threads, so an
       augmentation drawn from it does not depend on the thread or on N, and runs repeat.
       Python's ``random``, ``np.random`` and torch's global generator stay shared by all
-      threads: draws from them are not reproducible.
+      threads: while ``inline()`` (a dataset that may draw from them, see
+      :mod:`nostall._global_draws`) the samples are loaded one at a time in the thread that
+      asks for the batch, in order, so that such draws stay the plain loop's.
     * At most ``room()`` batches beyond the one asked for are started (the prefetcher gives
       its free slots, so that batches started and not handed out stay within ``depth``).
     * An error of the sampler itself comes after the batches it drew before it, as the
