@@ -199,17 +199,27 @@ class Counting(Features):
         return super().__getitem__(i)
 
 
-def test_a_source_that_draws_nothing_is_prefetched_after_its_judged_batch() -> None:
-    """The first batch and the judged one come in step; then the producer runs ahead."""
+@pytest.mark.parametrize(
+    ("shuffle", "judged"), [(False, 1), (True, 2)], ids=["sequential", "shuffled-globally"]
+)
+def test_a_source_that_draws_nothing_is_prefetched_after_its_judged_batch(
+    shuffle: bool, judged: int
+) -> None:
+    """The batches up to the judged one come in step; then the producer runs ahead.
+
+    The first batch is judged where the sampler draws nothing at the epoch's start; a
+    RandomSampler without a generator draws the shuffle there, so the second one is.
+    """
     dataset = Counting()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        it = iter(nostall.prefetch(DataLoader(dataset, batch_size=4), "cpu", depth=3))
-        next(it)
-        next(it)
+        it = iter(nostall.prefetch(DataLoader(dataset, batch_size=4, shuffle=shuffle), depth=3))
+        for _ in range(judged):
+            assert it._lineage.epochs.draws.in_step
+            next(it)
         assert not it._lineage.epochs.draws.in_step
-        wait_until(lambda: dataset.loaded == 4 * (2 + 3), "three batches fetched ahead")
-        assert 10 == len(list(it))
+        wait_until(lambda: dataset.loaded == 4 * (judged + 3), "three batches fetched ahead")
+        assert 12 - judged == len(list(it))
 
 
 def test_a_drawing_source_is_never_pulled_ahead() -> None:
@@ -249,12 +259,12 @@ def test_a_timeout_still_holds_while_pulling_in_step() -> None:
             return super().__getitem__(i)
 
     it = iter(nostall.prefetch(DataLoader(Stalls(), batch_size=4), "cpu", timeout=0.3))
-    next(it)
+    with pytest.warns(GlobalDrawsWarning):
+        next(it)  # judged: it draws, so it stays in step
     with pytest.raises(PrefetchTimeoutError):
         next(it)
     release.set()
-    with pytest.warns(GlobalDrawsWarning):
-        assert 11 == len(list(it))
+    assert 11 == len(list(it))
 
 
 def test_snapshots_see_each_generator_and_nothing_else() -> None:

@@ -15,11 +15,13 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   batch is pulled only when the loop asks for it (by the loop's thread, or by the producer
   while the loop waits), so every draw happens where the plain loop makes it. Under
   ``threads=``, the samples are then loaded one at a time by that same thread.
-* An epoch's first pull is not judged: a sampler without a generator draws its order there
-  (``RandomSampler``), as in the plain loop, at the same point. The next pull is: the global
-  generators' states are compared before and after it (:func:`snapshot`, :func:`moved`).
-  Nothing moved: the watch is clear for good and prefetching starts (the cost: that one
-  batch was not fetched ahead). Something moved: the source stays in step for the
+* A pull is judged: the global generators' states are compared before and after it
+  (:func:`snapshot`, :func:`moved`). An epoch's first pull is judged only where the source is
+  known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
+  generator of its own): a ``RandomSampler`` without a generator draws its order there, as an
+  iterable may, once per epoch, at the same point as in the plain loop. Nothing moved: the
+  watch is clear for good and prefetching starts (the cost, where the first pull cannot be
+  judged: the second batch is not fetched ahead). Something moved: the source stays in step for the
   prefetcher's life (exact, but nothing is fetched ahead) and :class:`GlobalDrawsWarning`
   names the generator, the cost and the fix, once, at the user's line.
 * A ``DataLoader`` with worker processes is clear from the start: its dataset and
@@ -45,9 +47,21 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, default_collate, default_convert
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    default_collate,
+    default_convert,
+)
 
 from ._device import caller_outside_nostall
+from ._torch_compat import index_sampler
 
 M = TypeVar("M")
 
@@ -201,10 +215,17 @@ class DrawWatch:
         self.judged = 0
         self.drew: tuple[str, ...] = ()
         self._reported = False
+        #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
+        #: in it (then prefetching starts after the very first batch, as without the watch).
+        self.first_judged = _quiet_start(source)
 
     def pull(self, pull: Callable[[], M], *, first: bool) -> M:
-        """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``."""
-        if first or self.state is not Watch.WATCHING:
+        """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
+
+        An epoch's first pull is judged too where the source's start is known to draw
+        nothing (:func:`_quiet_start`).
+        """
+        if (first and not self.first_judged) or self.state is not Watch.WATCHING:
             return pull()
         before = snapshot()
         message = pull()
@@ -257,6 +278,32 @@ class DrawWatch:
                 "though not the values num_workers=0 draws)"
             )
         return f"nostall: {who} draws from {what} (seen while loading a batch), {done}. {fix}."
+
+
+#: Samplers that draw nothing from the global generators when their iterator starts, provided
+#: they have a generator of their own (``generator``; a DistributedSampler always seeds one).
+_OWN_GENERATOR = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def _quiet_start(source: object) -> bool:
+    """Whether the first batch of a ``source``'s epoch draws only what every batch draws.
+
+    True for a plain ``DataLoader`` over a map-style dataset whose sampler draws nothing from
+    the global generators when it starts: sequential, distributed, or random with its own
+    ``generator=``. False for anything else: a ``RandomSampler`` without a generator draws
+    its order from torch's at the first batch, as an iterable dataset or a generator may,
+    once per epoch, where the plain loop draws it too.
+    """
+    if not isinstance(source, DataLoader) or isinstance(source.dataset, IterableDataset):
+        return False
+    if type(source).__iter__ is not DataLoader.__iter__:
+        return False
+    sampler = index_sampler(source)
+    if type(sampler) is BatchSampler:
+        sampler = sampler.sampler
+    if isinstance(sampler, (SequentialSampler, DistributedSampler)):
+        return True
+    return isinstance(sampler, _OWN_GENERATOR) and sampler.generator is not None
 
 
 def _who(source: object) -> str:

@@ -116,10 +116,14 @@ class Puller:
         #: In step with the loop (``epochs.draws.in_step``): the loop asks for the next message
         #: now; cleared at the end of each pull made in step.
         self.wanted = threading.Event()
+        #: ``batches`` was created and nothing pulled from it yet (in step, that first pull is
+        #: where a sampler draws its order, and is not judged).
+        self.untouched = False
 
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
         self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
+        self.untouched = True
         self.expected = self.epochs.length()
 
     # -- either thread, holding pull_lock ------------------------------------------------------
@@ -133,7 +137,8 @@ class Puller:
         draws = self.epochs.draws
         if not draws.in_step:
             return self._pull()
-        message = draws.pull(self._pull, first=self.batches is None or self.pulled == 0)
+        message = draws.pull(self._pull, first=self.batches is None or self.untouched)
+        self.untouched = False
         self.wanted.clear()
         return message
 
