@@ -140,6 +140,8 @@ class Puller:
         message = draws.pull(self._pull, first=self.batches is None or self.untouched)
         self.untouched = False
         self.wanted.clear()
+        if not draws.in_step:
+            self.channel.wake.set()  # judged clear: the producer may run ahead from now on
         return message
 
     def _pull(self) -> Message:
