@@ -538,3 +538,45 @@ def test_output_paths_are_checked_before_measuring(
     err = capsys.readouterr().err
     assert message in err
     assert "no such split" not in err
+
+
+def test_a_recommendation_that_changes_the_draws_says_so_in_the_code() -> None:
+    def make_loader(num_workers=0):  # type: ignore[no-untyped-def]
+        return []
+
+    cpu = torch.device("cpu")
+    drew = ("torch's global generator",)
+    code = recommend(make_loader, Setting(2, 4), cpu, None, drew, 0).splitlines()
+    assert code[0].startswith("    # NOTE: this changes the random draws your model sees:")
+    assert "draws from torch's global generator, which with num_workers=2" in code[0]
+    assert "give the draws a seeded generator of their own" in code[0]
+    assert "    loader = make_loader(num_workers=2)" == code[1]
+    same = recommend(make_loader, Setting(0, 4), cpu, None, drew, 0).splitlines()
+    assert not any("NOTE" in line for line in same)  # in step with the loop: the same draws
+
+
+class _Jittered(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((16,), float(i)) + torch.randn(16)  # a v2-style augmentation
+
+
+def _jittered(num_workers: int = 0) -> torch.utils.data.DataLoader[torch.Tensor]:
+    return torch.utils.data.DataLoader(_Jittered(), batch_size=8, num_workers=num_workers)
+
+
+def test_the_doctor_never_recommends_threads_for_a_loader_drawing_from_the_global_generator() -> (
+    None
+):
+    """It says what drew, that threads were not tried, and what nostall.prefetch does then."""
+    diagnosis = diagnose(_jittered, device="cpu", max_batches=60, repeats=1)
+    summary = diagnosis.summary()
+    assert "threads=" not in diagnosis.code
+    assert "random draws: your dataset or collate_fn draws from torch's global generator" in (
+        summary
+    )
+    assert "thread safety: not checked, and threads not tried" in summary
+    if diagnosis.best[0].num_workers not in (None, 0):
+        assert "# NOTE: this changes the random draws your model sees" in diagnosis.code

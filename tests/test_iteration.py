@@ -118,14 +118,14 @@ def test_a_fixed_depth_is_the_current_depth() -> None:
 
 
 class OneBadSample(torch.utils.data.Dataset[int]):
-    """Sample 4 fails (the third batch of two); 40 samples in all."""
+    """Sample 6 fails (the fourth batch of two); 40 samples in all."""
 
     def __len__(self) -> int:
         return 40
 
     def __getitem__(self, i: int) -> int:
-        if i == 4:
-            raise ValueError("sample 4 is corrupt")
+        if i == 6:
+            raise ValueError("sample 6 is corrupt")
         return i
 
 
@@ -136,14 +136,15 @@ def test_a_producer_paused_at_an_error_stays_paused_until_the_error_is_taken() -
     """
     it = iter(nostall.prefetch(DataLoader(OneBadSample(), batch_size=2), "cpu", depth=4))
     assert next(it).tolist() == [0, 1]
+    assert next(it).tolist() == [2, 3]  # watched for global draws: none, so it runs ahead
     puller = it._puller
     assert puller is not None
     wait_until(lambda: puller.after_error, "the producer pulled the failed batch")
     paused = it._lineage.thread
-    assert next(it).tolist() == [2, 3]  # queued before the error
+    assert next(it).tolist() == [4, 5]  # queued before the error
     assert it._lineage.thread is paused  # no producer started for what follows the error
-    with pytest.raises(ValueError, match="sample 4"):
+    with pytest.raises(ValueError, match="sample 6"):
         next(it)
     assert it._lineage.thread is paused
-    assert next(it).tolist() == [6, 7]  # the loop caught it and asks on: producing resumes
+    assert next(it).tolist() == [8, 9]  # the loop caught it and asks on: producing resumes
     assert it._lineage.thread is not paused

@@ -39,6 +39,8 @@ def start(depth: int, describe: str, batches: Iterable[Any]) -> Puller:
 
 
 def take(puller: Puller, index: int, timeout: float | None = None) -> Any:
+    if puller.epochs.draws.in_step:  # as PrefetchIterator asks, while a source may draw
+        puller.want(wake=True)
     return puller.channel.get(index, timeout, puller.pull_here)
 
 

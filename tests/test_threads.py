@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 import nostall
 from nostall._epochs import EpochSource, skip_ahead
+from nostall._global_draws import unwatched
 from nostall._threads import Pool, ThreadedEpoch, sample_seed
 
 
@@ -142,7 +143,8 @@ def test_look_ahead_follows_the_room_it_is_given() -> None:
 def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
     """After a resume the epoch still looks ahead, and numbers its batches from where it was."""
     loader = DataLoader(list(range(20)), batch_size=2)
-    epochs = EpochSource(loader, False, None, threads=2)
+    with unwatched():  # known to draw nothing: no batch is loaded in step (test_global_draws)
+        epochs = EpochSource(loader, False, None, threads=2)
     epochs.room = lambda: 3
     resumed = skip_ahead(loader, 2, epochs._iterate)
     assert isinstance(resumed, ThreadedEpoch)
@@ -224,21 +226,26 @@ def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
 
 
 def test_samples_of_one_batch_load_in_parallel() -> None:
-    """The first batch's 4 samples are fetched at once: a 4-party barrier in them passes."""
+    """A batch's 4 samples are fetched at once: a 4-party barrier in them passes.
+
+    The second batch: the first is loaded one sample at a time, watched for draws from the
+    global generators (see test_global_draws).
+    """
     barrier = threading.Barrier(4, timeout=20)
 
     class Together(Dataset[int]):
         def __len__(self) -> int:
-            return 4
+            return 8
 
         def __getitem__(self, i: int) -> int:
-            barrier.wait()  # breaks (and raises) unless 4 threads fetch at the same time
+            if i >= 4:
+                barrier.wait()  # breaks (and raises) unless 4 threads fetch at the same time
             return i
 
     batches = [
         b.tolist() for b in nostall.prefetch(DataLoader(Together(), batch_size=4), "cpu", threads=4)
     ]
-    assert [[0, 1, 2, 3]] == batches
+    assert [[0, 1, 2, 3], [4, 5, 6, 7]] == batches
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

@@ -252,3 +252,34 @@ def test_measure_applies_the_transform_with_and_without_the_prefetcher(depth: in
 
     measure(loader, Setting(None, depth), torch.device("cpu"), batches=3, transform=mark)
     assert seen[:3] == [0.0, 4.0, 8.0]  # the batches in order, each once
+
+
+class Jittered(Sleepy):
+    """An augmentation that draws from torch's global generator, as torchvision's v2 ones do."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return super().__getitem__(i) + torch.randn(16)
+
+
+def jittered(num_workers: int = 0) -> DataLoader[torch.Tensor]:
+    return DataLoader(Jittered(delay=0.0005), batch_size=8, num_workers=num_workers)
+
+
+def test_tune_never_tries_threads_for_a_loader_drawing_from_the_global_generator() -> None:
+    """Threads would change the draws the model sees: not tried, so never recommended."""
+    result = nostall.tune(jittered, max_batches=80, device="cpu", max_workers=1)
+    assert ("torch's global generator",) == result.drew
+    assert all(s.threads is None for s, _ in result.curve), result.curve
+    assert result.best.threads is None
+    safety = result.thread_safety
+    assert safety is not None
+    assert ("random", ("torch's global generator",)) == (safety.verdict, safety.drew)
+    line = safety.describe()
+    assert line.startswith("thread safety: not checked, and threads not tried:")
+    assert "torch.thread_safe_generator()" in line
+    assert ["torch's global generator"] == result.to_dict()["drew"]
+
+
+def test_tune_sees_no_draws_in_a_loader_that_makes_none() -> None:
+    result = nostall.tune(factory, max_batches=40, device="cpu", max_workers=1)
+    assert () == result.drew

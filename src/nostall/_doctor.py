@@ -131,6 +131,8 @@ class Diagnosis:
         else:
             lines.append(f"measurably faster: {setting.describe()}, {rate}: {speedup:.2f}x yours.")
             lines.append(f"change your code to:\n{self.code}")
+        if self.search.drew:
+            lines.append(draws_line(self.search.drew))
         choice = self.threads_or_processes()
         if choice is not None:
             lines.append(choice)
@@ -330,18 +332,42 @@ def diagnose(
     diagnosis = Diagnosis(
         load, step_rate, as_built, search, (search.best, ours), (plain, theirs), str(dev)
     )
-    diagnosis.code = recommend(factory, diagnosis.best[0], dev, transform)
     diagnosis.factory_workers = _default_workers(factory)
+    diagnosis.code = recommend(
+        factory, diagnosis.best[0], dev, transform, search.drew, diagnosis.factory_workers
+    )
     done = total
     say("done")
     return diagnosis
 
 
-def recommend(factory: Factory, setting: Setting, device: Any, transform: Any) -> str:
-    """The code that builds and feeds the loader with ``setting``, as the user would write it."""
+def recommend(
+    factory: Factory,
+    setting: Setting,
+    device: Any,
+    transform: Any,
+    drew: tuple[str, ...] = (),
+    factory_workers: int | None = None,
+) -> str:
+    """The code that builds and feeds the loader with ``setting``, as the user would write it.
+
+    A setting that changes the random draws the model sees (another ``num_workers`` for a
+    loader whose dataset or collate_fn draws from a global generator: ``drew``) says so in the
+    code itself, in a comment above it.
+    """
     name = getattr(factory, "__name__", "make_loader")
     kwargs = ", ".join(f"{k}={v!r}" for k, v in loader_kwargs(factory, setting, device).items())
-    lines = [f"    loader = {name}({kwargs})"]
+    lines = []
+    workers = setting.num_workers
+    if drew and workers is not None and workers != (factory_workers or 0):
+        lines.append(
+            f"    # NOTE: this changes the random draws your model sees: your dataset or "
+            f"collate_fn draws from {' and '.join(drew)}, which with num_workers={workers} "
+            f"each worker seeds itself (reproducible, but not the values "
+            f"num_workers={factory_workers or 0} draws). Keep them: give the draws a seeded "
+            f"generator of their own."
+        )
+    lines.append(f"    loader = {name}({kwargs})")
     if setting.depth is None:
         lines.append("    for batch in loader:  # move each batch to the device in the loop")
     else:
@@ -356,6 +382,18 @@ def recommend(factory: Factory, setting: Setting, device: Any, transform: Any) -
             f"{threads}{extra}):"
         )
     return "\n".join(lines)
+
+
+def draws_line(drew: tuple[str, ...]) -> str:
+    """What the doctor says of a loader whose dataset or collate_fn draws from global generators."""
+    return (
+        f"random draws: your dataset or collate_fn draws from {' and '.join(drew)} at each "
+        f"batch. nostall.prefetch loads such a loader in step with your loop (your loop's "
+        f"draws, unchanged, but nothing fetched ahead), threads were not tried (they would "
+        f"change the draws), and worker processes draw from their own seeds (other values). "
+        f"Give the draws a seeded generator of their own (e.g. DataCollatorForLanguageModeling"
+        f"(..., seed=0)) to prefetch with the same draws."
+    )
 
 
 def _too_few(factory: Factory, used: int) -> str:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, is_prepared_shard
 from ._fabric import IterCount, fabric_inner_loader, fabric_over, is_fabric_loader
+from ._global_draws import DrawWatch
 from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
@@ -215,8 +216,12 @@ class EpochSource:
         mirror: ShardMirror | None = None,
         threads: int | None = None,
         context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        *,
+        transform: bool = False,
     ) -> None:
         self.source = source
+        #: Whether the source draws from the global generators; pulled in step while it may.
+        self.draws = DrawWatch(source, threads=threads, transform=transform)
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)
@@ -260,7 +265,14 @@ class EpochSource:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
         if self.pool is None or self.mirror is not None:
             return iter(loader)
-        return ThreadedEpoch(loader, self.pool, lambda: self.room(), skipped)
+        draws = self.draws
+        return ThreadedEpoch(
+            loader,
+            self.pool,
+            lambda: 0 if draws.in_step else self.room(),
+            skipped,
+            inline=lambda: draws.in_step,  # its samples' draws in order, in the pulling thread
+        )
 
     @property
     def iterable(self) -> Iterable[Any]:

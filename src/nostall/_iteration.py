@@ -141,6 +141,12 @@ class PrefetchIterator(Iterator[T]):
                 self._go_on_after_error(puller)  # the loop caught the error and asks for more
             if self._index == puller.expected:
                 puller.ask_for_end()  # asked past the last batch: the source may now end
+            draws = puller.epochs.draws
+            if draws.in_step:  # the source may draw from the global generators
+                puller.want(wake=self._timeout is not None)
+                message = puller.channel.get(self._index, self._timeout, self._pull_here)
+                draws.report()  # here: at the user's line
+                return self._take(puller, message)
             message = puller.channel.get(self._index, self._timeout, self._pull_here)
             return self._take(puller, message)
         except KeyboardInterrupt:

@@ -221,7 +221,14 @@ class Prefetcher(Generic[T]):
         self._shard = shard
         self._lineage = Lineage(
             isinstance(source, Iterator),
-            EpochSource(source, across_epochs, mirror, threads, self._staging.source_context),
+            EpochSource(
+                source,
+                across_epochs,
+                mirror,
+                threads,
+                self._staging.source_context,
+                transform=transform is not None,
+            ),
             self._staging.transform_state(),
         )
         self._recorder = StallRecorder(self.device) if profile else None

@@ -66,6 +66,9 @@ class Puller:
           with an empty pipeline. ``open_lock`` makes exactly one of the two call it.
         * The sampler's epoch marks are read around each draw: an order drawn while someone
           set the epoch is marked ``STALE`` and never handed out.
+        * While ``epochs.draws.in_step`` (a source that may draw from the global generators),
+          nothing is pulled before the consumer asks for it (``wanted``), so the source's
+          draws keep their place among the loop's own (see :mod:`nostall._global_draws`).
     """
 
     def __init__(
@@ -111,17 +114,40 @@ class Puller:
         #: (``STALE`` when they changed while it was drawn), and before each was opened here.
         self.marks: dict[int, Any] = {}
         self.open_marks: dict[int, Any] = {}
+        #: In step with the loop (``epochs.draws.in_step``): the loop asks for the next message
+        #: now; cleared at the end of each pull made in step.
+        self.wanted = threading.Event()
+        #: ``batches`` was created and nothing pulled from it yet (in step, that first pull is
+        #: where a sampler draws its order, and is not judged).
+        self.untouched = False
 
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
         with self.staging.source_context():
             self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
+        self.untouched = True
         self.expected = self.epochs.length()
 
     # -- either thread, holding pull_lock ------------------------------------------------------
 
     def pull(self) -> Message:
         """Take the next batch from the source and stage it; the caller holds ``pull_lock``.
+
+        In step with the loop (see :mod:`nostall._global_draws`), the pull is watched for
+        draws from the global generators, and the next one waits for the loop to ask.
+        """
+        draws = self.epochs.draws
+        if not draws.in_step:
+            return self._pull()
+        message = draws.pull(self._pull, first=self.batches is None or self.untouched)
+        self.untouched = False
+        self.wanted.clear()
+        if not self.epochs.draws.in_step:  # read again: the pull may have judged it
+            self.channel.wake.set()  # judged clear: the producer may run ahead from now on
+        return message
+
+    def _pull(self) -> Message:
+        """:meth:`pull`, unwatched.
 
         Errors come back as the same object with a note of where they happened. Across
         epochs, an epoch's end is followed by the next epoch's batches.
@@ -222,6 +248,8 @@ class Puller:
         """Whether the next pull may happen now (see the class invariants)."""
         if self.finished:
             return True
+        if self.epochs.draws.in_step and not self.wanted.is_set():
+            return False  # in step with the loop: only what it asks for, when it asks
         if self.asks_for_end:
             return True
         if self.batches is None:  # the next epoch
@@ -257,6 +285,17 @@ class Puller:
             return self.pull()
         finally:
             self.pull_lock.release()
+
+    def want(self, wake: bool) -> None:
+        """In step with the loop: the consumer asks for the next message now.
+
+        ``wake``: wake the producer to pull it; not needed when the consumer may pull it
+        itself (no timeout: see :meth:`Channel.get`), where a producer woken for nothing
+        would only contend with it (the producer still sees ``wanted`` at its next look).
+        """
+        self.wanted.set()
+        if wake:
+            self.channel.wake.set()
 
     def ask_for_end(self) -> None:
         """The consumer asks for what follows the epoch's last batch."""

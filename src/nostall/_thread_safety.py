@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ._global_draws import Snapshot, moved, snapshot, unwatched
 from ._prefetcher import prefetch
 from ._torch_compat import auto_collation
 
@@ -72,6 +73,9 @@ class ThreadSafety:
     why: str = ""
     #: For "agreed": how many times the threads loaded the samples.
     passes: int = 0
+    #: For "random": the global generators the one-thread load drew from (``tune`` does not
+    #: try threads then: they would change the draws, see :mod:`nostall._global_draws`).
+    drew: tuple[str, ...] = ()
 
     @property
     def unsafe(self) -> bool:
@@ -104,6 +108,14 @@ class ThreadSafety:
                 f"position used by seek then read, a decoder, a cache): read with os.pread, or "
                 f"open each handle on first use in each thread (threading.local()); worker "
                 f"processes share a file opened before they start, too."
+            )
+        if self.drew:
+            return (
+                f"thread safety: not checked, and threads not tried: the dataset or collate_fn "
+                f"draws from {' and '.join(self.drew)}, which loading threads share, so they "
+                f"would change the draws your model sees (nostall.prefetch(threads=...) loads "
+                f"such a dataset one sample at a time). Draw from torch.thread_safe_generator() "
+                f"to load it with threads: each sample then gets its own generator."
             )
         return f"thread safety: not checked: {self.why}."
 
@@ -141,21 +153,41 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
         with prefetch(check, "cpu", threads=threads, depth=depth, timeout=TIMEOUT_S) as batches:
             yield from batches
 
-    def inconclusive(why: str) -> ThreadSafety:
-        return ThreadSafety("random", threads, count, why=why)
+    with unwatched():  # each load judges the global generators itself
+        return _check(
+            load,
+            reference_loads=lambda: load(1, fresh=False),
+            threads=threads,
+            count=count,
+            batch_size=batch_size,
+        )
+
+
+def _check(
+    load: Callable[[int], Generator[Any, None, None]],
+    reference_loads: Callable[[], Generator[Any, None, None]],
+    threads: int,
+    count: int,
+    batch_size: int | None,
+) -> ThreadSafety:
+    """:func:`check_thread_safety` once its loads are set up."""
+
+    def inconclusive(why: str, drew: tuple[str, ...] = ()) -> ThreadSafety:
+        return ThreadSafety("random", threads, count, why=why, drew=drew)
 
     try:
-        with _global_generators() as moved:
-            reference = list(load(1, fresh=False))
-        if moved():
+        with _global_generators() as drawn:
+            reference = list(reference_loads())
+        if drawn():
             return inconclusive(
                 "the dataset or collate_fn draws from a global random generator (torch's, "
                 "random's or NumPy's, as torchvision's v1 transforms do), which threads "
                 "share; draw from torch.thread_safe_generator() to make its samples "
-                "reproducible with threads, and checkable"
+                "reproducible with threads, and checkable",
+                drawn(),
             )
         # The same dataset object again: a generator of its own has moved on meanwhile.
-        with _global_generators(), contextlib.closing(load(1, fresh=False)) as again:
+        with _global_generators(), contextlib.closing(reference_loads()) as again:
             if _first_difference(reference, again) is not None:
                 return inconclusive(
                     "two one-thread loads of the same samples differed (a generator of the "
@@ -239,28 +271,24 @@ def _switching_often() -> Iterator[None]:
 
 
 @contextmanager
-def _global_generators() -> Iterator[Any]:
-    """Put the global generators back afterwards; yield a function: did they move meanwhile?"""
+def _global_generators() -> Iterator[Callable[[], tuple[str, ...]]]:
+    """Put the global generators back afterwards; yield a function: which moved meanwhile?"""
     numpy: Any = sys.modules.get("numpy")  # a dataset that uses it imported it already
+    states = (torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state())
+    before = snapshot()
+    after: list[Snapshot] = []
 
-    def states() -> tuple[Any, ...]:
-        legacy = () if numpy is None else tuple(numpy.random.get_state())
-        return (torch.get_rng_state(), random.getstate(), *legacy)
-
-    before = states()
-    after: list[tuple[Any, ...]] = []
-
-    def moved() -> bool:
-        return not _same(list(before), list(after[0]))
+    def drawn() -> tuple[str, ...]:
+        return moved(before, after[0])
 
     try:
-        yield moved
+        yield drawn
     finally:
-        after.append(states())
-        torch.set_rng_state(before[0])
-        random.setstate(before[1])
+        after.append(snapshot())
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
         if numpy is not None:
-            numpy.random.set_state(before[2:])
+            numpy.random.set_state(states[2])
 
 
 def _first_difference(reference: list[Any], loaded: Iterator[Any]) -> int | None:

@@ -18,7 +18,9 @@ Invariants:
       ``torch.utils.data.get_worker_info().rng``) give it in the loading threads, so an
       augmentation drawn from it does not depend on the thread or on N, and runs repeat.
       Python's ``random``, ``np.random`` and torch's global generator stay shared by all
-      threads: draws from them are not reproducible.
+      threads: while ``inline()`` (a dataset that may draw from them, see
+      :mod:`nostall._global_draws`) the samples are loaded one at a time in the thread that
+      asks for the batch, in order, so that such draws stay the plain loop's.
     * At most ``room()`` batches beyond the one asked for are started (the prefetcher gives
       its free slots, so that batches started and not handed out stay within ``depth``).
     * An error of the sampler itself comes after the batches it drew before it, as the
@@ -270,8 +272,16 @@ class ThreadedEpoch(Iterator[Any]):
         pool: Pool,
         room: Callable[[], int] = lambda: 0,
         first_batch: int = 0,
+        *,
+        inline: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``room()``: batches that may be started ahead; ``first_batch``: the batches skipped."""
+        """``room()``: batches that may be started ahead; ``first_batch``: the batches skipped.
+
+        ``inline()``: load the samples of the batches started now one at a time in the calling
+        thread (a dataset that may draw from the global generators: see
+        :mod:`nostall._global_draws`).
+        """
+        self.inline = inline
         _install_worker_info()
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
@@ -362,4 +372,11 @@ class ThreadedEpoch(Iterator[Any]):
             finally:
                 _local.info = None
 
+        if self.inline():
+            done: Future[Any] = Future()
+            try:
+                done.set_result(task(0))
+            except BaseException as e:
+                done.set_exception(e)
+            return done
         return self.pool.submit(task)

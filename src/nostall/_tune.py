@@ -22,6 +22,7 @@ import torch
 from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_device
+from ._global_draws import draws_of, unreported
 from ._prefetcher import prefetch
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threads import check_threadable
@@ -67,6 +68,10 @@ class TuneResult:
     batches_spent: int = 0
     #: The check made before trying loading threads (None: threads were not considered).
     thread_safety: ThreadSafety | None = None
+    #: The global generators the loader's dataset or collate_fn draws from with
+    #: ``num_workers=0`` (its second batch watched): threads are then not tried, and a
+    #: recommendation that changes ``num_workers`` changes the draws (see the doctor).
+    drew: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """For JSON."""
@@ -77,6 +82,7 @@ class TuneResult:
             "batches_spent": self.batches_spent,
             "curve": [{**asdict(s), "samples_per_s": r} for s, r in self.curve],
             "thread_safety": None if safety is None else asdict(safety),
+            "drew": list(self.drew),
         }
 
 
@@ -141,24 +147,27 @@ def measure(
     used = 0
     samples = 0
     start = 0.0
-    try:
-        for batch in it:
-            if step is not None:
-                step(batch)
-            used += 1
-            if used == warmup:
-                synchronize(device)
-                start = time.perf_counter()
-            elif used > warmup:
-                samples += batch_size_of(batch) or 1
-            if used >= warmup + batches:
-                break
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-    finally:
-        close = getattr(feed, "close", None)
-        if callable(close):
-            close()
+    # A source drawing from the global generators is loaded in step, as the user's own
+    # prefetcher would load it; tune says so in its result, not with a warning per trial.
+    with unreported():
+        try:
+            for batch in it:
+                if step is not None:
+                    step(batch)
+                used += 1
+                if used == warmup:
+                    synchronize(device)
+                    start = time.perf_counter()
+                elif used > warmup:
+                    samples += batch_size_of(batch) or 1
+                if used >= warmup + batches:
+                    break
+            synchronize(device)
+            elapsed = time.perf_counter() - start
+        finally:
+            close = getattr(feed, "close", None)
+            if callable(close):
+                close()
     if used <= warmup or elapsed <= 0:
         return 0.0, used
     return samples / elapsed, used
@@ -182,7 +191,9 @@ def tune(
     then, where the loader can be loaded by threads (``nostall.prefetch(threads=...)`` over
     ``num_workers=0``) unless the thread-safety check finds its dataset unsafe (its first
     samples, up to 64, loaded by one thread and then by the most threads tried, came out
-    otherwise or raised: see ``result.thread_safety``), threads go 2, 4, ... up to twice that
+    otherwise or raised: see ``result.thread_safety``), and unless it draws from the global
+    random generators (``result.drew``: threads would change the draws), threads go 2, 4, ...
+    up to twice that
     budget; the best of all keeps its setting while the depth goes 4, 8, ... up to what the
     memory budget holds. Each climb goes on while a step gains at least ``threshold`` (5%). A
     trial starts only while it fits in what is left of ``max_batches``, so ``batches_spent <=
@@ -278,13 +289,19 @@ def tune(
     climb(Setting(workers, 2) for workers in workers_choices[1:])
     thread_counts = [2**i for i in range(1, 9) if 2**i <= max(2, 2 * cores)]
     safety = None
-    if "num_workers" in knobs and affordable() and _threadable(factory, dev):
+    drew = draws_of(build(factory, Setting(0, None), dev)) if "num_workers" in knobs else ()
+    if drew and affordable() and _threadable(factory, dev):
+        # Threads would share those generators: never tried, so never recommended.
+        safety = ThreadSafety(
+            "random", thread_counts[-1], 0, why="draws from the global generators", drew=drew
+        )
+    elif "num_workers" in knobs and affordable() and _threadable(factory, dev):
         # Never recommend threads for a dataset that gives other samples (or errors) under them.
         def fresh() -> Any:
             return build(factory, Setting(0, None), dev)
 
         safety = check_thread_safety(fresh, thread_counts[-1])
-    if safety is not None and not safety.unsafe:
+    if safety is not None and not safety.unsafe and not safety.drew:
         # Threads climb from their own start: 2 threads need not beat the best processes.
         previous = 0.0
         for threads in thread_counts:
@@ -303,7 +320,7 @@ def tune(
         spent += 1  # the batch that showed the size
         workers, threads = best.num_workers, best.threads
         climb(Setting(workers, 2**k, threads) for k in range(2, 6) if 2**k <= depth_limit)
-    return TuneResult(best, best_rate, curve, spent, safety)
+    return TuneResult(best, best_rate, curve, spent, safety, drew)
 
 
 def _threadable(factory: Factory, device: torch.device) -> bool:

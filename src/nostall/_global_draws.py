@@ -1,0 +1,318 @@
+"""Draws from the process's global random generators, and how a prefetcher keeps their order.
+
+Why it matters: a global generator (torch's CPU generator, torch.cuda's, Python's ``random``,
+NumPy's ``np.random``) is one stream shared by every thread, so the value a draw gets depends
+on the order of all draws. In a plain loop over a ``DataLoader`` with ``num_workers=0``, batch
+k is loaded in the loop's thread right before step k: the source's draws for batch k (a
+collator masking tokens, as ``DataCollatorForLanguageModeling(seed=None)`` does; a random crop
+in ``__getitem__``, as torchvision's v2 transforms do) come right before step k's own (dropout).
+A prefetcher that loads batch k+1 while step k runs interleaves the two streams in whatever
+order the threads run: other values than the plain loop, and other values on every run.
+
+What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided once):
+
+* While it is not known whether the source draws, it is pulled **in step** with the loop: a
+  batch is pulled only when the loop asks for it (by the loop's thread, or by the producer
+  while the loop waits), so every draw happens where the plain loop makes it. Under
+  ``threads=``, the samples are then loaded one at a time by that same thread.
+* A pull is judged: the global generators' states are compared before and after it
+  (:func:`snapshot`, :func:`moved`). An epoch's first pull is judged only where the source is
+  known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
+  generator of its own): a ``RandomSampler`` without a generator draws its order there, as an
+  iterable may, once per epoch, at the same point as in the plain loop. Nothing moved: the
+  watch is clear for good and prefetching starts (the cost, where the first pull cannot be
+  judged: the second batch is not fetched ahead). Something moved: the source stays in step for the
+  prefetcher's life (exact, but nothing is fetched ahead) and :class:`GlobalDrawsWarning`
+  names the generator, the cost and the fix, once, at the user's line.
+* A ``DataLoader`` with worker processes is clear from the start: its dataset and
+  ``collate_fn`` run in the workers, each seeded by the DataLoader; the loop's process draws
+  only the workers' base seed, when the epoch's iterator is created (by nostall in the loop's
+  thread at the epoch's first ``next()``, where the plain loop's ``for`` creates it). So is a
+  ``list`` or ``tuple`` of batches (no code runs to make them) without a ``transform=``.
+
+What it cannot see: a source that draws only at later batches, or only sometimes; and a draw
+made meanwhile by another thread of the process reads as the source's (a false alarm costs
+speed, never exactness).
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    default_collate,
+    default_convert,
+)
+
+from ._device import caller_outside_nostall
+from ._torch_compat import index_sampler
+
+M = TypeVar("M")
+
+#: Pulls judged (not an epoch's first) that must show no draw before prefetching starts. One:
+#: the sources that draw (collators, random augmentations) draw at every batch, and each
+#: judged pull is a batch not fetched ahead.
+JUDGED_PULLS = 1
+
+#: The generators, as messages name them.
+TORCH, CUDA, PYTHON, NUMPY = (
+    "torch's global generator",
+    "torch.cuda's generator",
+    "Python's random",
+    "NumPy's np.random",
+)
+
+
+class GlobalDrawsWarning(UserWarning):
+    """A source draws from the global generators, so nostall loads it in step with the loop."""
+
+
+class Snapshot(NamedTuple):
+    """Where each global generator is; equal snapshots mean nothing was drawn between them."""
+
+    torch: torch.Tensor
+    cuda: tuple[int, ...]
+    python: Any
+    numpy: Any
+
+
+def snapshot() -> Snapshot:
+    """The global generators' positions now (NumPy's only once NumPy is imported).
+
+    torch.cuda's generators are read only once CUDA is initialised (reading them must not
+    initialise it): their Philox offset, which every draw advances.
+    """
+    numpy: Any = sys.modules.get("numpy")
+    cuda: tuple[int, ...] = ()
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        cuda = tuple(g.get_offset() for g in torch.cuda.default_generators)
+    legacy = None
+    if numpy is not None:
+        _, keys, position, *_ = numpy.random.get_state()
+        legacy = (position, keys.tobytes())
+    return Snapshot(torch.default_generator.get_state(), cuda, random.getstate(), legacy)
+
+
+def moved(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
+    """The generators (as :data:`TORCH` ... name them) drawn from between two snapshots."""
+    drawn = []
+    if not torch.equal(before.torch, after.torch):
+        drawn.append(TORCH)
+    if before.cuda != after.cuda:
+        drawn.append(CUDA)
+    if before.python != after.python:
+        drawn.append(PYTHON)
+    if before.numpy is not None and after.numpy is not None and before.numpy != after.numpy:
+        drawn.append(NUMPY)
+    return tuple(drawn)
+
+
+#: In this thread: ``.unreported`` (watch, but say nothing) or ``.unwatched`` (do not watch):
+#: set by nostall's own code that iterates a user's loader to measure or check it (``tune``,
+#: the doctor, the thread-safety check), which says what it saw in its own words.
+_context = threading.local()
+
+
+@contextmanager
+def _set(name: str) -> Iterator[None]:
+    before = getattr(_context, name, False)
+    setattr(_context, name, True)
+    try:
+        yield
+    finally:
+        setattr(_context, name, before)
+
+
+def unreported() -> Any:
+    """Meanwhile, in this thread, a :class:`DrawWatch` warns of nothing (``tune``'s trials)."""
+    return _set("unreported")
+
+
+def unwatched() -> Any:
+    """Meanwhile, in this thread, prefetchers are built without a watch.
+
+    For callers that judge the draws themselves (the thread-safety check compares the
+    generators around each of its loads).
+    """
+    return _set("unwatched")
+
+
+def draws_of(loader: Iterable[Any]) -> tuple[str, ...]:
+    """The global generators that loading ``loader``'s second batch drew from, in this thread.
+
+    The first batch is not judged (a sampler may draw its order there); a loader of fewer than
+    two batches shows nothing. The generators are put back as they were.
+    """
+    numpy: Any = sys.modules.get("numpy")
+    states = (torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state())
+    try:
+        batches = iter(loader)
+        if next(batches, _END) is _END:
+            return ()
+        before = snapshot()
+        if next(batches, _END) is _END:
+            return ()
+        return moved(before, snapshot())
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        if numpy is not None:
+            numpy.random.set_state(states[2])
+
+
+_END = object()
+
+
+class Watch(enum.Enum):
+    """Where a :class:`DrawWatch` is."""
+
+    #: Not known yet: pulls are made in step with the loop, and judged.
+    WATCHING = "watching"
+    #: A judged pull drew nothing: prefetching as usual, nothing judged any more.
+    CLEAR = "clear"
+    #: A judged pull drew: pulls stay in step with the loop for good.
+    DRAWS = "draws"
+
+
+class DrawWatch:
+    """Whether one prefetcher's source draws from the global generators (see the module).
+
+    Invariants:
+        * ``in_step`` is True until a judged pull drew nothing, and then False for good; while
+          it is True the puller pulls only what the loop has asked for (its gate), so no draw
+          of the source moves relative to the loop's own.
+        * ``drew`` names what a judged pull drew from; it is reported once, by :meth:`report`,
+          in the loop's thread.
+    """
+
+    def __init__(self, source: object, *, threads: int | None = None, transform: bool = False):
+        self.source = source
+        self.threads = threads
+        self.transform = transform
+        # Nothing to watch where no code of the user's runs per batch in this process: worker
+        # processes draw from their own seeds; a list's items are made already.
+        workers = isinstance(source, DataLoader) and source.num_workers > 0
+        inert = type(source) in (list, tuple) and not transform
+        unwatched = getattr(_context, "unwatched", False)
+        self.state = Watch.CLEAR if workers or inert or unwatched else Watch.WATCHING
+        self.in_step = self.state is Watch.WATCHING
+        self.judged = 0
+        self.drew: tuple[str, ...] = ()
+        self._reported = False
+        #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
+        #: in it (then prefetching starts after the very first batch, as without the watch).
+        self.first_judged = _quiet_start(source)
+
+    def pull(self, pull: Callable[[], M], *, first: bool) -> M:
+        """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
+
+        An epoch's first pull is judged too where the source's start is known to draw
+        nothing (:func:`_quiet_start`).
+        """
+        if (first and not self.first_judged) or self.state is not Watch.WATCHING:
+            return pull()
+        before = snapshot()
+        message = pull()
+        drew = moved(before, snapshot())
+        if drew:
+            self.state, self.drew = Watch.DRAWS, drew
+        else:
+            self.judged += 1
+            if self.judged >= JUDGED_PULLS:
+                self.state, self.in_step = Watch.CLEAR, False
+        return message
+
+    def report(self) -> None:
+        """Warn once, at the user's line, that the source draws (loop's thread, after a pull)."""
+        if self.state is not Watch.DRAWS or self._reported:
+            return
+        self._reported = True
+        if not getattr(_context, "unreported", False):
+            warnings.warn(self.message(), GlobalDrawsWarning, stacklevel=caller_outside_nostall())
+
+    def message(self) -> str:
+        """What drew, what nostall does about it, what it costs, and the fix."""
+        what = " and ".join(self.drew)
+        who = _who(self.source) + (", or the transform= given to nostall" if self.transform else "")
+        if self.threads is not None:
+            done = (
+                f"so with threads={self.threads} they would draw in whatever order the threads "
+                f"run. nostall loads this loader's samples one at a time instead, in your loop's "
+                f"thread and only when the loop asks for a batch, as the DataLoader itself does: "
+                f"the same draws as without nostall, but nothing is loaded in parallel or ahead"
+            )
+            fix = (
+                "To load with threads, draw from torch.thread_safe_generator() (under threads= "
+                "each sample gets its own generator, the same on every run), or leave threads "
+                "out and load in worker processes (num_workers=2: each worker draws from its "
+                "own seed, reproducibly, though not the values num_workers=0 draws)"
+            )
+        else:
+            done = (
+                "so loading it ahead in a background thread would interleave those draws with "
+                "your step's own (dropout) in whatever order the threads run. nostall loads each "
+                "batch only when your loop asks for it, as the DataLoader itself does: the same "
+                "draws as without nostall, but nothing is fetched ahead"
+            )
+            fix = (
+                "To prefetch, give the draws a seeded generator of their own (e.g. "
+                "DataCollatorForLanguageModeling(..., seed=0), or torch.rand(..., generator=g) "
+                "with g = torch.Generator().manual_seed(0)), or load in worker processes "
+                "(DataLoader(num_workers=2): each worker draws from its own seed, reproducibly, "
+                "though not the values num_workers=0 draws)"
+            )
+        return f"nostall: {who} draws from {what} (seen while loading a batch), {done}. {fix}."
+
+
+#: Samplers that draw nothing from the global generators when their iterator starts, provided
+#: they have a generator of their own (``generator``; a DistributedSampler always seeds one).
+_OWN_GENERATOR = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def _quiet_start(source: object) -> bool:
+    """Whether the first batch of a ``source``'s epoch draws only what every batch draws.
+
+    True for a plain ``DataLoader`` over a map-style dataset whose sampler draws nothing from
+    the global generators when it starts: sequential, distributed, or random with its own
+    ``generator=``. False for anything else: a ``RandomSampler`` without a generator draws
+    its order from torch's at the first batch, as an iterable dataset or a generator may,
+    once per epoch, where the plain loop draws it too.
+    """
+    if not isinstance(source, DataLoader) or isinstance(source.dataset, IterableDataset):
+        return False
+    if type(source).__iter__ is not DataLoader.__iter__:
+        return False
+    sampler = index_sampler(source)
+    if type(sampler) is BatchSampler:
+        sampler = sampler.sampler
+    if isinstance(sampler, (SequentialSampler, DistributedSampler)):
+        return True
+    return isinstance(sampler, _OWN_GENERATOR) and sampler.generator is not None
+
+
+def _who(source: object) -> str:
+    """The code that may have drawn, as the warning names it."""
+    if not isinstance(source, DataLoader):
+        return f"the source ({type(source).__qualname__})"
+    dataset = f"the DataLoader's dataset ({type(source.dataset).__qualname__})"
+    collate = source.collate_fn
+    if collate in (default_collate, default_convert, None):
+        return dataset
+    name = getattr(collate, "__qualname__", None) or type(collate).__qualname__
+    return f"{dataset} or its collate_fn ({name})"

@@ -1,0 +1,366 @@
+"""Sources that draw from the global random generators: the draws keep the plain loop's order.
+
+A collator that masks tokens with ``torch.bernoulli`` (as ``DataCollatorForLanguageModeling``
+with ``seed=None`` does), a dataset whose augmentation draws from torch's global generator (as
+torchvision's v2 transforms do), and a model with dropout: the losses with nostall must be the
+plain loop's, step by step, and a warning says once, at the user's line, what drew and the fix.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+from helpers import wait_until
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import nostall
+from nostall import PrefetchTimeoutError
+from nostall._global_draws import (
+    CUDA,
+    NUMPY,
+    PYTHON,
+    TORCH,
+    DrawWatch,
+    GlobalDrawsWarning,
+    moved,
+    snapshot,
+)
+
+SAMPLES, FEATURES = 48, 8
+
+
+class Features(Dataset[torch.Tensor]):
+    """Fixed features; draws nothing."""
+
+    def __init__(self) -> None:
+        self.data = torch.arange(SAMPLES * FEATURES, dtype=torch.float32).reshape(SAMPLES, -1)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i] / 100
+
+
+class Jittered(Features):
+    """An augmentation drawing from torch's global generator, as torchvision's v2 ones do."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return super().__getitem__(i) + torch.randn(FEATURES)
+
+
+def mask(batch: list[torch.Tensor]) -> torch.Tensor:
+    """Masks a random tenth of the values, as a language-modelling collator masks tokens."""
+    stacked = torch.stack(batch)
+    return stacked * torch.bernoulli(torch.full(stacked.shape, 0.9))
+
+
+def python_noise(batch: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(batch) * random.random()
+
+
+def numpy_noise(batch: list[torch.Tensor]) -> torch.Tensor:
+    np = pytest.importorskip("numpy")
+    return torch.stack(batch) * float(np.random.rand())
+
+
+def model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+
+
+def train(batches: Callable[[], Iterable[torch.Tensor]], epochs: int = 1) -> list[float]:
+    """Losses of a small training loop with dropout, seeded as a user seeds it."""
+    net = model()
+    optimiser = torch.optim.SGD(net.parameters(), lr=0.01)
+    torch.manual_seed(0)
+    random.seed(0)
+    losses = []
+    for _ in range(epochs):
+        for batch in batches():
+            loss = net(batch).pow(2).mean()
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+    return losses
+
+
+def loader(dataset: Dataset[Any] | None = None, **kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(dataset or Features(), batch_size=4, shuffle=True, **kwargs)
+
+
+def nostall_losses(source: DataLoader[Any], epochs: int = 1, **kwargs: Any) -> list[float]:
+    """Losses through nostall; the warning it gives is expected here, once."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        prefetcher = nostall.prefetch(source, "cpu", **kwargs)
+        losses = train(lambda: prefetcher, epochs)
+    draws = [w for w in seen if issubclass(w.category, GlobalDrawsWarning)]
+    others = [w for w in seen if not issubclass(w.category, GlobalDrawsWarning)]
+    assert [] == others
+    assert 1 == len(draws)
+    return losses
+
+
+@pytest.mark.parametrize("across_epochs", [False, True])
+def test_a_collator_drawing_from_the_global_generator_sees_the_plain_loops_draws(
+    across_epochs: bool,
+) -> None:
+    """DataCollatorForLanguageModeling's case: the same masks and dropout at every step."""
+    expected = train(lambda: loader(collate_fn=mask), epochs=2)
+    actual = nostall_losses(loader(collate_fn=mask), epochs=2, across_epochs=across_epochs)
+    assert expected == actual
+
+
+def test_a_dataset_drawing_from_the_global_generator_sees_the_plain_loops_draws() -> None:
+    expected = train(lambda: loader(Jittered()))
+    assert expected == nostall_losses(loader(Jittered()), depth=4)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_threads_over_a_dataset_drawing_from_the_global_generator_are_exact(threads: int) -> None:
+    """Its samples are loaded one at a time, in order: the plain loop's draws."""
+    expected = train(lambda: loader(Jittered()))
+    assert expected == nostall_losses(loader(Jittered()), threads=threads)
+
+
+def test_a_clear_source_through_threads_matches_itself_and_warns_nothing() -> None:
+    """A dataset that draws nothing: threads load it in parallel, no warning."""
+    expected = train(lambda: loader())
+    prefetcher = nostall.prefetch(loader(), "cpu", threads=2)
+    assert expected == train(lambda: prefetcher)
+    assert not prefetcher._lineage.epochs.draws.in_step
+
+
+def test_the_warning_names_what_drew_and_the_fix_once_at_the_users_line() -> None:
+    prefetcher = nostall.prefetch(loader(collate_fn=mask), "cpu")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):  # a second epoch: said once
+            for _ in prefetcher:
+                pass
+    assert [GlobalDrawsWarning] == [w.category for w in seen]
+    assert __file__ == seen[0].filename
+    message = str(seen[0].message)
+    assert "the DataLoader's dataset (Features) or its collate_fn (mask)" in message
+    assert TORCH in message
+    assert "nothing is fetched ahead" in message
+    assert "DataCollatorForLanguageModeling(..., seed=0)" in message
+    assert "num_workers=2" in message
+
+
+def test_under_threads_the_warning_names_thread_safe_generator() -> None:
+    with pytest.warns(GlobalDrawsWarning, match=r"torch\.thread_safe_generator\(\)") as seen:
+        for _ in nostall.prefetch(loader(Jittered()), "cpu", threads=2):
+            pass
+    assert __file__ == seen[0].filename
+    assert "nothing is loaded in parallel or ahead" in str(seen[0].message)
+
+
+@pytest.mark.parametrize(
+    ("collate", "generator"), [(python_noise, PYTHON), (numpy_noise, NUMPY)], ids=["random", "np"]
+)
+def test_pythons_and_numpys_global_generators_are_watched(
+    collate: Callable[[list[torch.Tensor]], torch.Tensor], generator: str
+) -> None:
+    if collate is numpy_noise:
+        pytest.importorskip("numpy")
+    with pytest.warns(GlobalDrawsWarning, match=generator):
+        for _ in nostall.prefetch(loader(collate_fn=collate), "cpu"):
+            pass
+
+
+def test_a_transform_drawing_from_the_global_generator_is_named() -> None:
+    def noisy(batch: torch.Tensor) -> torch.Tensor:
+        return batch + torch.rand(())
+
+    with pytest.warns(GlobalDrawsWarning, match="or the transform= given to nostall"):
+        for _ in nostall.prefetch(loader(), "cpu", transform=noisy):
+            pass
+
+
+class Counting(Features):
+    """Counts the samples loaded; draws nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded = 0
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loaded += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize(
+    ("shuffle", "judged"), [(False, 1), (True, 2)], ids=["sequential", "shuffled-globally"]
+)
+def test_a_source_that_draws_nothing_is_prefetched_after_its_judged_batch(
+    shuffle: bool, judged: int
+) -> None:
+    """The batches up to the judged one come in step; then the producer runs ahead.
+
+    The first batch is judged where the sampler draws nothing at the epoch's start; a
+    RandomSampler without a generator draws the shuffle there, so the second one is.
+    """
+    dataset = Counting()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        it = iter(nostall.prefetch(DataLoader(dataset, batch_size=4, shuffle=shuffle), depth=3))
+        for _ in range(judged):
+            assert it._lineage.epochs.draws.in_step
+            next(it)
+        assert not it._lineage.epochs.draws.in_step
+        wait_until(lambda: dataset.loaded == 4 * (judged + 3), "three batches fetched ahead")
+        assert 12 - judged == len(list(it))
+
+
+def test_a_drawing_source_is_never_pulled_ahead() -> None:
+    dataset = Counting()
+
+    def drawing(batch: list[torch.Tensor]) -> torch.Tensor:
+        return mask(batch)
+
+    it = iter(nostall.prefetch(DataLoader(dataset, batch_size=4, collate_fn=drawing), "cpu"))
+    with pytest.warns(GlobalDrawsWarning):
+        loaded = [(next(it), dataset.loaded)[1] for _ in range(5)]
+    assert [4, 8, 12, 16, 20] == loaded  # nothing more than what the loop took
+
+
+def test_worker_processes_are_not_watched_and_see_the_plain_loops_draws() -> None:
+    """Workers draw from their own seeds; the base seed is drawn where the plain loop draws it."""
+
+    def build() -> DataLoader[Any]:
+        return loader(Jittered(), collate_fn=mask, num_workers=2)
+
+    expected = train(build)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prefetcher = nostall.prefetch(build(), "cpu")
+        assert not prefetcher._lineage.epochs.draws.in_step
+        assert expected == train(lambda: prefetcher)
+
+
+def test_a_timeout_still_holds_while_pulling_in_step() -> None:
+    """In step, the producer pulls while the loop waits, so timeout= still bounds the wait."""
+    release = threading.Event()
+
+    class Stalls(Jittered):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i == 4:
+                release.wait(30)
+            return super().__getitem__(i)
+
+    it = iter(nostall.prefetch(DataLoader(Stalls(), batch_size=4), "cpu", timeout=0.3))
+    with pytest.warns(GlobalDrawsWarning):
+        next(it)  # judged: it draws, so it stays in step
+    with pytest.raises(PrefetchTimeoutError):
+        next(it)
+    release.set()
+    assert 11 == len(list(it))
+
+
+def test_snapshots_see_each_generator_and_nothing_else() -> None:
+    np = pytest.importorskip("numpy")
+    before = snapshot()
+    assert () == moved(before, snapshot())
+    torch.rand(1)
+    random.random()
+    np.random.rand()
+    assert (TORCH, PYTHON, NUMPY) == moved(before, snapshot())
+    assert CUDA not in moved(before, snapshot())
+
+
+def test_lists_and_worker_loaders_start_clear() -> None:
+    assert not DrawWatch([torch.zeros(1)]).in_step
+    assert DrawWatch([torch.zeros(1)], transform=True).in_step
+    assert DrawWatch(loader()).in_step
+
+
+@pytest.mark.cuda
+def test_a_collator_drawing_from_cudas_generator_is_seen() -> None:
+    torch.zeros(1, device="cuda")  # CUDA initialised, as in a training process
+
+    def cuda_mask(batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(batch) * torch.rand((), device="cuda").cpu()
+
+    before = snapshot()
+    torch.rand(1, device="cuda")
+    assert CUDA in moved(before, snapshot())
+    with pytest.warns(GlobalDrawsWarning, match=r"torch\.cuda's generator"):
+        for _ in nostall.prefetch(loader(collate_fn=cuda_mask), "cuda"):
+            pass
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_collator_drawing_from_the_global_generator_sees_the_plain_loops_draws() -> None:
+    """Dropout on the GPU, masks drawn on the CPU, batches copied on nostall's stream."""
+
+    def run(batches: Callable[[], Iterable[torch.Tensor]]) -> list[float]:
+        net = model().cuda()
+        torch.manual_seed(0)
+        losses = []
+        for batch in batches():
+            out = net(batch.cuda(non_blocking=True))
+            loss = out.pow(2).mean() + torch.rand(()).cuda()  # the loop draws on the CPU too
+            loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    expected = run(lambda: loader(collate_fn=mask))
+    with pytest.warns(GlobalDrawsWarning):
+        actual = run(lambda: nostall.prefetch(loader(collate_fn=mask), "cuda"))
+    assert expected == actual
+
+
+def test_a_language_modelling_collator_with_seed_none_sees_the_plain_loops_draws() -> None:
+    """Hugging Face's DataCollatorForLanguageModeling (seed=None) and a BERT with dropout."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {token: i for i, token in enumerate([*special, *(f"w{i}" for i in range(20))])}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        **{f"{name}_token": f"[{name.upper()}]" for name in ("pad", "unk", "cls", "sep", "mask")},
+    )
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+    examples = [{"input_ids": [2, *(5 + (i * 7 + j) % 20 for j in range(8)), 3]} for i in range(32)]
+    config = transformers.BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+
+    def run(batches: Callable[[], Iterable[Any]]) -> list[float]:
+        torch.manual_seed(1)
+        bert = transformers.BertForMaskedLM(config).train()
+        optimiser = torch.optim.SGD(bert.parameters(), lr=0.1)
+        torch.manual_seed(0)
+        losses = []
+        for batch in batches():
+            loss = bert(**batch).loss
+            loss.backward()
+            optimiser.step()
+            optimiser.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def build() -> DataLoader[Any]:
+        return DataLoader(examples, batch_size=4, shuffle=True, collate_fn=collator)  # type: ignore[arg-type]
+
+    expected = run(build)
+    with pytest.warns(GlobalDrawsWarning, match="collate_fn \\(DataCollatorForLanguageModeling\\)"):
+        actual = run(lambda: nostall.prefetch(build(), "cpu"))
+    assert expected == actual
