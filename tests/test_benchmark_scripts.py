@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,8 +74,13 @@ def _gpu_check() -> Any:
 
 
 def _collected(*args: str) -> set[str]:
+    # pytest-benchmark (on the GPU machine) warns, as an error here, when it finds xdist's
+    # worker variables inherited from a parallel run: it exited 3 there.
+    plugins = ("-p", "no:cacheprovider", "-p", "no:benchmark")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+        [sys.executable, "-m", "pytest", *plugins, "--collect-only", "-q", *args],
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,

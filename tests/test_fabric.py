@@ -302,3 +302,20 @@ def test_fabric_example_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
+
+
+def test_a_fabric_loader_is_prefetched_to_fabrics_device_by_default() -> None:
+    """Fabric(accelerator="cpu") on a GPU machine: batches stay on the CPU, as Fabric's own.
+
+    Seen on an H100: the prefetcher went to CUDA, and the CPU model met CUDA batches.
+    """
+    from lightning.fabric.wrappers import _FabricDataLoader
+    from simcuda import simulated_cuda
+
+    loader = _FabricDataLoader(DataLoader(list(range(8)), batch_size=4), torch.device("cpu"))
+    with simulated_cuda():
+        assert torch.cuda.is_available()  # a GPU machine, as far as nostall can tell
+        p = nostall.prefetch(loader)
+        assert torch.device("cpu") == p.device
+        assert [torch.device("cpu")] * 2 == [b.device for b in p]
+        assert torch.device("cuda", 0) == nostall.prefetch(loader, "cuda").device

@@ -33,6 +33,15 @@ def is_fabric_loader(source: object) -> bool:
     return False
 
 
+def fabric_device(source: object) -> Any:
+    """The device Fabric moves ``source``'s batches to, or None (not Fabric's, or no move).
+
+    A prefetcher over Fabric's loader with no ``device=`` goes there, not to CUDA whenever
+    there is one: ``Fabric(accelerator="cpu")`` on a GPU machine trains on the CPU.
+    """
+    return getattr(source, "device", None) if is_fabric_loader(source) else None
+
+
 def fabric_inner_loader(source: object) -> Any:
     """The DataLoader inside Fabric's loader ``source``, or None when it is not one."""
     return source._dataloader if is_fabric_loader(source) else None  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from ._device import DeviceLike, resolve_device
 from ._epochs import EpochSource
 from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
+from ._fabric import fabric_device
 from ._iteration import PrefetchIterator
 from ._lineage import Lineage, check_not_forked
 from ._producer import join_quietly
@@ -58,7 +59,8 @@ def prefetch(
 
     Args:
         source: any iterable of batches, usually a ``torch.utils.data.DataLoader``.
-        device: where batches go; ``None`` picks the current CUDA device when CUDA is available
+        device: where batches go; ``None`` picks Fabric's device for a loader from
+            ``fabric.setup_dataloaders``, else the current CUDA device when CUDA is available
             (under ``torchrun``, ``LOCAL_RANK`` while that is still ``cuda:0``), else the CPU.
         depth: how many batches may be fetched ahead of the consumer (an int >= 1), or
             ``"auto"``: start at 1 and double whenever the consumer finds nothing ready, up to
@@ -194,7 +196,7 @@ class Prefetcher(Generic[T]):
                 f"{transform!r} that is {check.kind(transform)})"
             )
         self._source = source
-        self.device = resolve_device(device)
+        self.device = resolve_device(fabric_device(source) if device is None else device)
         if self.device.type == "meta":
             raise ValueError(
                 "device='meta' holds no data, so batches cannot be moved there; pass "
