@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -231,3 +233,24 @@ def assert_torchrun_finished(done: Any, finished: Iterable[str]) -> None:
         )
     if done.returncode != 0:
         assert GLOO_TEARDOWN_ABORT in done.stderr, done.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def lightning_seed_unset() -> Iterator[None]:
+    """Run without Lightning's seed variables, and put them back as they were afterwards.
+
+    ``seed_everything()`` exports PL_GLOBAL_SEED and PL_SEED_WORKERS; other tests must not
+    inherit them (monkeypatch.delenv of a name not yet set records nothing to undo).
+    """
+    names = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+    before = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

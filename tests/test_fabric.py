@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished
+from helpers import assert_torchrun_finished, lightning_seed_unset
 
 import nostall
 
@@ -46,14 +46,8 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def _restore_seed_environment() -> Iterator[None]:
     """fabric.seed_everything() exports PL_GLOBAL_SEED; other tests must not inherit it."""
-    names = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-    before = {name: os.environ.get(name) for name in names}
-    yield
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with lightning_seed_unset():
+        yield
 
 
 @pytest.fixture(scope="module")

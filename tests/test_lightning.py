@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import lightning_seed_unset
 
 import nostall
 
@@ -63,21 +64,9 @@ class Fitted(NamedTuple):
 
 @pytest.fixture(autouse=True)
 def _restore_seed_environment() -> Iterator[None]:
-    """seed_everything() exports PL_GLOBAL_SEED and PL_SEED_WORKERS; undo that after each test.
-
-    (monkeypatch.delenv of a name not yet set records nothing to undo, so the names are put
-    back by hand: other modules' tests must not inherit Lightning's seed.)
-    """
-    names = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-    before = {name: os.environ.get(name) for name in names}
-    for name in names:
-        os.environ.pop(name, None)
-    yield
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    """seed_everything() exports PL_GLOBAL_SEED and PL_SEED_WORKERS; undo that after each test."""
+    with lightning_seed_unset():
+        yield
 
 
 def fit(
