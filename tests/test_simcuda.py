@@ -87,18 +87,23 @@ def test_reuse_without_record_stream_is_found(sim: Simulation) -> None:
 def test_record_stream_holds_the_block_until_the_host_saw_the_reader(sim: Simulation) -> None:
     consumer = torch.cuda.Stream()
     x = torch.ones(256, device="cuda")
+    where = _address(sim, x)
     _read_on(consumer, x)
     x.record_stream(consumer)
-    before = torch.cuda.memory_reserved()
     del x
-    torch.full((256,), 3.0, device="cuda")  # a new block: the old one waits for the consumer
+    y = torch.full((256,), 3.0, device="cuda")  # elsewhere: the old block waits for the consumer
     assert sim.hazards == []
-    assert torch.cuda.memory_reserved() > before
+    assert _address(sim, y) != where
     torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
-    torch.full((256,), 4.0, device="cuda")  # now the waiting block is reused, safely
+    z = torch.full((256,), 4.0, device="cuda")  # now the waiting block is reused, safely
     assert sim.hazards == []
-    assert torch.cuda.memory_reserved() == reserved
+    assert _address(sim, z) == where
+
+
+def _address(sim: Simulation, t: torch.Tensor) -> str:
+    block = sim.memory.block_of(t)
+    assert block is not None
+    return block.id
 
 
 def test_host_syncs_in_a_nostall_thread_are_found(sim: Simulation) -> None:
