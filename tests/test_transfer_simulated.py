@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -21,6 +23,7 @@ import torch
 from simcuda import STREAM_POOL, Kind, Simulation, simulated_cuda
 
 import nostall
+from nostall import _streams
 from nostall import transforms as T
 from nostall._channel import Channel
 from nostall._staging import CudaStaging
@@ -457,8 +460,7 @@ def _shrinking(n: int = 8) -> list[torch.Tensor]:
     """Batches of 8, 7, 6, ... images: no two the same size, each smaller than the last."""
     g = torch.Generator().manual_seed(0)
     return [
-        torch.randint(0, 256, (n - i, 3, 20, 24), dtype=torch.uint8, generator=g)
-        for i in range(n)
+        torch.randint(0, 256, (n - i, 3, 20, 24), dtype=torch.uint8, generator=g) for i in range(n)
     ]
 
 
@@ -497,18 +499,38 @@ def test_canary_wait_when_the_consumer_pulls(
 TO_FLOAT = T.ToDtype(torch.float32, on="image")
 
 
+#: The source-kernels wait made on another stream than the one the source ran on: the current
+#: stream of the current device (the original bug), or of the target device.
+WRONG_SOURCE_WAITS = {
+    "the current device's stream": "self.stream.wait_stream(torch.cuda.current_stream())",
+    "the target's current stream": (
+        "self.stream.wait_stream(torch.cuda.current_stream(self.device))"
+    ),
+}
+
+
 @pytest.mark.parametrize(
     ("method", "transform", "kind"),
     [
         ("_after_source", None, Kind.UNORDERED),  # the wait for the source's own kernels
         ("_after_source", TO_FLOAT, Kind.UNORDERED),
         ("_keep_for_copy_stream", TO_FLOAT, Kind.REUSE),  # record_stream of device inputs
+        *[
+            (f"_after_source={w}", t, Kind.UNORDERED)
+            for w in WRONG_SOURCE_WAITS
+            for t in (None, TO_FLOAT)
+        ],
     ],
 )
 def test_canary_batches_the_source_put_on_the_device(
     sim: Simulation, monkeypatch: pytest.MonkeyPatch, method: str, transform: Any, kind: Kind
 ) -> None:
-    monkeypatch.setattr(CudaStaging, method, _no_op)
+    if "=" in method:  # the wait kept, on the wrong stream
+        method, wrong = method.split("=")
+        edit = ("self.stream.wait_stream(self.source_stream)", WRONG_SOURCE_WAITS[wrong])
+        monkeypatch.setattr(CudaStaging, method, mutant(CudaStaging, method, *edit))
+    else:
+        monkeypatch.setattr(CudaStaging, method, _no_op)
     # With a timeout the consumer never pulls a batch itself: the source always runs in the
     # producer thread, on the default stream, which only the side consumer's waits could order.
     p = nostall.prefetch(_made_on_the_device(8), "cuda", depth=3, transform=transform, timeout=30.0)
@@ -564,23 +586,30 @@ def test_canary_streams_of_the_wrong_device(
     assert {Kind.WRONG_DEVICE, Kind.UNORDERED} <= sim.kinds()
 
 
-def _run_concurrently_without(removed: str, *fns: Callable[[], torch.Tensor]) -> list[Any]:
-    """``nostall.cuda.run_concurrently`` with one of its three protections removed."""
-    caller = torch.cuda.current_stream()
-    streams = [torch.cuda.Stream() for _ in fns]
-    results = []
-    for fn, stream in zip(fns, streams, strict=True):
-        if removed != "wait for the inputs":
-            stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            results.append(fn())
-    for stream in streams:
-        if removed != "wait for the results":
-            caller.wait_stream(stream)
-    for result in results:
-        if removed != "record_stream":
-            result.record_stream(caller)
-    return results
+def mutant(owner: Any, name: str, old: str, new: str) -> Any:
+    """``owner.name`` recompiled from its own source with ``old`` replaced by ``new``.
+
+    A canary built so tests the code as it is: when the source no longer holds ``old``
+    exactly once, the canary fails here, not silently. The copy runs in its module's globals
+    (a method's zero-argument ``super()`` included).
+    """
+    found = inspect.getattr_static(owner, name)
+    function = found.__func__ if isinstance(found, staticmethod) else found
+    source = textwrap.dedent(inspect.getsource(function))
+    assert 1 == source.count(old), f"{name} no longer reads {old!r}: update the canary"
+    body = textwrap.indent(source.replace(old, new), "    ")
+    code = f"def _make(__class__):\n{body}\n    return {function.__name__}\n"
+    namespace = dict(function.__globals__)
+    exec(compile(code, inspect.getsourcefile(function) or "<mutant>", "exec"), namespace)
+    made = namespace["_make"](owner if isinstance(owner, type) else None)
+    return staticmethod(made) if isinstance(found, staticmethod) else made
+
+
+RUN_CONCURRENTLY = {
+    "wait for the inputs": ("stream.wait_stream(caller)", "pass"),
+    "wait for the results": ("caller.wait_stream(stream)", "pass"),
+    "record_stream": ("tensor.record_stream(caller)", "pass"),
+}
 
 
 @pytest.mark.parametrize(
@@ -592,10 +621,16 @@ def _run_concurrently_without(removed: str, *fns: Callable[[], torch.Tensor]) ->
         ("nothing", None),
     ],
 )
-def test_canary_run_concurrently(sim: Simulation, removed: str, kind: Kind | None) -> None:
+def test_canary_run_concurrently(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, removed: str, kind: Kind | None
+) -> None:
+    """The real ``nostall.cuda.run_concurrently``, with one of its protections edited out."""
+    if removed in RUN_CONCURRENTLY:
+        edited = mutant(_streams, "run_concurrently", *RUN_CONCURRENTLY[removed])
+        monkeypatch.setattr(nostall.cuda, "run_concurrently", edited)
     x = torch.arange(8.0, device="cuda")
     made = sim._made.get(0, 0)
-    a, b = _run_concurrently_without(removed, lambda: x * 2, lambda: x + 1)
+    a, b = nostall.cuda.run_concurrently(lambda: x * 2, lambda: x + 1)
     total = a + b  # the caller reads the results
     del a, b
     # Streams come from a pool: a later Stream() is the CUDA stream that made ``a``. Work
@@ -944,3 +979,107 @@ def test_loading_threads_run_on_the_prefetchers_device_and_source_stream(
     source_stream = p._staging.source_stream.id
     assert {(index, source_stream)} == set(dataset.seen)
     assert sim.hazards == []
+
+
+# --- the protections no test noticed the removal of (issue: the model must catch them) -------
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_canary_the_producer_makes_no_context_on_another_gpu(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, removed: bool
+) -> None:
+    """A rank on cuda:1 (``set_device(1)``, as under torchrun): nothing nostall does touches GPU 0.
+
+    ``torch.cuda.stream(s)`` makes the previous stream's device current again on exit, with
+    an eager ``cudaSetDevice`` that creates that device's context: without the producer's
+    ``set_device``, its copy-stream block would end on GPU 0 every batch, and every rank
+    would hold a context (hundreds of MiB) there.
+    """
+    if removed:
+        edit = ("torch.cuda.set_device(self.device)", "pass")
+        monkeypatch.setattr(CudaStaging, "start_thread", mutant(CudaStaging, "start_thread", *edit))
+    torch.cuda.set_device(1)
+    data, reference = _images(4), _pipeline()
+    got = _consume(sim, nostall.prefetch(data, "cuda", transform=_pipeline()), "side")
+    _same(got, _expected([reference(b) for b in data]))
+    if removed:
+        assert Kind.STRAY_CONTEXT in sim.kinds(), f"removing set_device went unseen: {sim.hazards}"
+    else:
+        assert {1} == sim.contexts
+        assert sim.hazards == []
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_canary_normalize_shared_by_prefetchers_alive_together(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, removed: bool
+) -> None:
+    """One Normalize for training and validation: each copy stream uploads its own coefficients.
+
+    Without the stream in the cache key, one prefetcher's copy stream reads coefficients the
+    other's uploaded, with no wait between the two streams.
+    """
+    if removed:
+        edit = (
+            "key = (device, dtype, scale, current_stream(device))",
+            "key = (device, dtype, scale)",
+        )
+        monkeypatch.setattr(
+            T.Normalize, "_coefficients", mutant(T.Normalize, "_coefficients", *edit)
+        )
+    norm = T.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])
+    data = _images(4)
+    train = iter(nostall.prefetch(data, "cuda", transform=norm))
+    outs = [_model(next(train))]  # the first batch's coefficients are cached by now
+    val = nostall.prefetch(data, "cuda", transform=norm)
+    for a, b in zip(train, val, strict=False):
+        with sim.model_work():
+            outs += [_model(a), _model(b)]
+    torch.cuda.synchronize()
+    reference = T.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])
+    want = _expected([reference(b) for b in data])
+    _same(
+        [o.cpu() for o in outs],
+        [want[0], *[w for pair in zip(want[1:], want, strict=False) for w in pair]],
+    )
+    if removed:
+        assert Kind.UNORDERED in sim.kinds(), f"one cache for all went unseen: {sim.hazards}"
+    else:
+        assert sim.hazards == []
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+@pytest.mark.parametrize("removed", [False, True])
+def test_canary_the_consumer_waits_only_for_its_own_batch(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, consumer: str, removed: bool
+) -> None:
+    """Handing out batch k waits for batch k's event, not for the batches copied ahead of it.
+
+    A hand-out that waits for the whole copy stream (``wait_stream``) is correct but makes the
+    model's kernels wait for copies of batches they do not read yet: the overlap is lost.
+    The producer is let stage two batches before the first is taken, so the copy stream
+    always holds work ahead of the batch handed out.
+    """
+    if removed:
+        edit = ("self._wait(consumer, staged.ready)", "consumer.wait_stream(self.stream)")
+        monkeypatch.setattr(CudaStaging, "hand_out", mutant(CudaStaging, "hand_out", *edit))
+    staged = _count_stages(monkeypatch)
+    data = _images(6)
+    to_half = T.ToDtype(torch.float16)
+    p = nostall.prefetch(data, "cuda", depth=2, transform=to_half)
+    it = iter(p)
+    stream = torch.cuda.Stream() if consumer == "side" else None
+    outs = []
+    with contextlib.closing(p), torch.cuda.stream(stream):
+        for i in range(len(data)):
+            if i:  # (the producer starts at the first next())
+                staged.wait_for(min(i + 2, len(data)))  # the next batch is staged too
+            batch = next(it)
+            with sim.model_work():
+                outs.append(_model(batch))
+            del batch
+    torch.cuda.synchronize()
+    _same([o.cpu() for o in outs], _expected([to_half(b) for b in data]))
+    if removed:
+        assert Kind.LOST_OVERLAP in sim.kinds(), f"over-waiting went unseen: {sim.hazards}"
+    else:
+        assert sim.hazards == []

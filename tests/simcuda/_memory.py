@@ -275,14 +275,15 @@ class Allocator:
 
     def allocated(self, device: int) -> int:
         """Bytes held by live tensors on ``device`` (their blocks' sizes)."""
-        return sum(b.size for ref, b in self.live.values() if b.device == device)
+        return sum(b.size for r, b in self.live.values() if b.device == device and not r.expired())
 
     def reserved(self, device: int) -> int:
         """Bytes of the segments the allocator holds on ``device``."""
         return sum(s.size for s in self.segments if s.device == device)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, known: dict[int, dict[int, int]], host: dict[int, int]) -> None:
         """Give back every segment with nothing allocated or waiting (and forget its history)."""
+        self.sweep(known, host)
         kept = []
         for segment in self.segments:
             if any(b.allocated or b.waiting for b in segment.blocks):

@@ -240,7 +240,7 @@ class _GraphContext:
 
     def __enter__(self) -> None:
         _synchronize()
-        active().memory.empty_cache()
+        torch.cuda.empty_cache()
         self._context = active().use_stream(self.stream)
         self._context.__enter__()
         self.graph.capture_begin(capture_error_mode=self.mode)
@@ -293,7 +293,7 @@ def replacements() -> list[tuple[Any, str, Any]]:
             "max_memory_allocated",
             lambda device=None: sim.memory.peak.get(device_index(device), 0),
         ),
-        (cuda, "empty_cache", sim.memory.empty_cache),
+        (cuda, "empty_cache", lambda: sim.memory.empty_cache(sim.known, sim.host)),
         (torch.Tensor, "to", _to(torch.Tensor.to)),
         (torch.Tensor, "cuda", _cuda),
         (torch.Tensor, "cpu", _cpu(torch.Tensor.cpu)),

@@ -386,12 +386,11 @@ class Simulation:
             )
         with self.lock:
             if origin is not None and origin.library and not stream.library:
+                self._judge(stream)
                 covered = self.covered.setdefault(stream.id, {})
                 step = event.waited.get(origin.id, 0)
-                if step > self.known[stream.id].get(origin.id, 0):
-                    self._judge(stream)
-                    if covered.get(origin.id, 0) < step:
-                        covered[origin.id] = step
+                if step > max(covered.get(origin.id, 0), self.known[stream.id].get(origin.id, 0)):
+                    covered[origin.id] = step
             _merge(self.known[stream.id], event.known)
             _merge(self.waited[stream.id], event.waited)
 
@@ -401,7 +400,7 @@ class Simulation:
         A hand-out waits on its own batch's event; the kernels queued after it (up to the next
         such wait) read that batch, whose last write is the last step the event covers. Steps
         beyond what they read are later batches' copies the model's kernels were made to wait
-        for. Judged at the next wait that covers more, so a consumer that takes several
+        for. Judged at the next such wait, so a consumer that takes several
         batches before its kernels read them is judged on the waits together; one whose
         kernels between two hand-outs read only older batches would be flagged too (no test
         here does that). Caller holds the lock.

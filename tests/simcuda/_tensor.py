@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._hazards import Kind
 from . import _simulation
+from ._hazards import Kind
 from ._simulation import SimStream, active
 
 #: Ops that allocate without writing.
