@@ -87,18 +87,23 @@ def test_reuse_without_record_stream_is_found(sim: Simulation) -> None:
 def test_record_stream_holds_the_block_until_the_host_saw_the_reader(sim: Simulation) -> None:
     consumer = torch.cuda.Stream()
     x = torch.ones(256, device="cuda")
+    where = _address(sim, x)
     _read_on(consumer, x)
     x.record_stream(consumer)
-    before = torch.cuda.memory_reserved()
     del x
-    torch.full((256,), 3.0, device="cuda")  # a new block: the old one waits for the consumer
+    y = torch.full((256,), 3.0, device="cuda")  # elsewhere: the old block waits for the consumer
     assert sim.hazards == []
-    assert torch.cuda.memory_reserved() > before
+    assert _address(sim, y) != where
     torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
-    torch.full((256,), 4.0, device="cuda")  # now the waiting block is reused, safely
+    z = torch.full((256,), 4.0, device="cuda")  # now the waiting block is reused, safely
     assert sim.hazards == []
-    assert torch.cuda.memory_reserved() == reserved
+    assert _address(sim, z) == where
+
+
+def _address(sim: Simulation, t: torch.Tensor) -> str:
+    block = sim.memory.block_of(t)
+    assert block is not None
+    return block.id
 
 
 def test_host_syncs_in_a_nostall_thread_are_found(sim: Simulation) -> None:
@@ -178,3 +183,181 @@ def test_streams_are_per_thread_and_per_device(sim: Simulation) -> None:
     assert seen == [torch.cuda.default_stream(1)]
     assert torch.cuda.current_device() == 0
     assert torch.cuda.current_stream(1) != side
+
+
+# --- the caching allocator: rounding, pools, best fit, splitting, merging ---------------------
+
+
+def test_sizes_are_rounded_and_segments_reserved_as_pytorch_does(sim: Simulation) -> None:
+    small = torch.empty(100, dtype=torch.uint8, device="cuda")  # 512 B of a 2 MiB segment
+    assert torch.cuda.memory_allocated() == 512
+    assert torch.cuda.memory_reserved() == 2 * 2**20
+    large = torch.empty(2**20 + 1, dtype=torch.uint8, device="cuda")  # large pool: 20 MiB
+    assert torch.cuda.memory_reserved() == 22 * 2**20
+    split = torch.empty(11 * 2**20, dtype=torch.uint8, device="cuda")  # the rest of the 20 MiB
+    assert torch.cuda.memory_reserved() == 22 * 2**20
+    huge = torch.empty(29 * 2**20 + 1, dtype=torch.uint8, device="cuda")  # its own, to 2 MiB
+    assert torch.cuda.memory_reserved() == 52 * 2**20
+    del small, large, split, huge
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == 0
+
+
+def test_a_smaller_tensor_takes_the_best_fitting_free_block_split(sim: Simulation) -> None:
+    a = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    b = torch.empty(8192, dtype=torch.uint8, device="cuda")
+    keep = torch.empty(512, dtype=torch.uint8, device="cuda")  # b is not next to the free tail
+    where_b = _address(sim, b)
+    del a, b
+    c = torch.empty(3000, dtype=torch.uint8, device="cuda")  # a's and b's blocks merged: 12 KiB
+    assert _address(sim, c) == _address(sim, c).split("+")[0] + "+0"
+    d = torch.empty(6000, dtype=torch.uint8, device="cuda")  # the rest of that block, split
+    assert _address(sim, d) != where_b  # 3072 B in, where b's memory began at 4096
+    assert torch.cuda.memory_reserved() == 2 * 2**20
+    assert keep.device.type == "cuda"
+    assert sim.hazards == []
+
+
+def test_reuse_of_part_of_a_larger_block_without_record_stream_is_found(sim: Simulation) -> None:
+    """The hazard a same-size-only allocator cannot see: a smaller tenant in a larger's memory."""
+    consumer = torch.cuda.Stream()
+    big = torch.ones(2048, device="cuda")
+    fence = torch.ones(128, device="cuda")  # keeps big's block from merging with the free tail
+    kept = _read_on(consumer, big)
+    del big
+    torch.full((1000,), 3.0, device="cuda")  # best fit: the front of big's block
+    assert sim.kinds() == {Kind.REUSE}
+    assert fence.device.type == kept.device.type == "cuda"
+
+
+# --- time: queries are not syncs; device-to-host copies are asynchronous ----------------------
+
+
+def test_a_query_is_done_only_once_the_host_knows(sim: Simulation) -> None:
+    x = torch.ones(4, device="cuda") * 2
+    event = torch.cuda.Event()
+    event.record()
+    stream = torch.cuda.current_stream()
+    assert not event.query()
+    assert not stream.query()
+    sim.time_passes()  # the GPU caught up; nobody waited
+    assert event.query()
+    assert stream.query()
+    x.add_(1)
+    assert not stream.query()
+    torch.cuda.synchronize()
+    assert stream.query()
+    assert sim.hazards == []
+
+
+def test_polling_is_not_taken_for_a_sync(sim: Simulation) -> None:
+    """A copy stream that polled the model's event has not waited for it: a false dependency."""
+    x = torch.ones(4, device="cuda")
+    copy = torch.cuda.Stream()
+    copy.library = True
+    with sim.model_work():
+        x * 2
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query()  # the old model answered "done" and took it as a sync
+    copy.wait_event(done)
+    with torch.cuda.stream(copy):
+        torch.ones(4).pin_memory().to("cuda", non_blocking=True)
+    assert sim.kinds() == {Kind.FALSE_DEPENDENCY}
+
+
+def test_a_non_blocking_download_is_read_only_after_a_sync(sim: Simulation) -> None:
+    x = torch.arange(4.0, device="cuda") * 2
+    host = x.to("cpu", non_blocking=True)
+    assert host.is_pinned()
+    assert host.shape == (4,)  # its description is there at once
+    assert sim.hazards == []
+    host.sum()  # its values are not, yet
+    assert sim.kinds() == {Kind.UNSYNCED_HOST_READ}
+    sim.hazards.clear()
+    later = x.to("cpu", non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(later, torch.arange(4.0) * 2)
+    assert sim.hazards == []
+
+
+def test_a_non_blocking_download_does_not_block_a_nostall_thread(sim: Simulation) -> None:
+    x = torch.ones(4, device="cuda")
+    thread = threading.Thread(target=lambda: x.to("cpu", non_blocking=True), name="nostall-t")
+    thread.start()
+    thread.join()
+    assert sim.hazards == []
+
+
+# --- devices and contexts, as torch.cuda.stream and torch.cuda.device set them ---------------
+
+
+def test_leaving_a_stream_of_another_device_sets_the_previous_device_eagerly(
+    sim: Simulation,
+) -> None:
+    side = torch.cuda.Stream(1)
+    assert sim.contexts == {1}
+    with torch.cuda.device(1):  # entering sets eagerly, leaving only notes device 0
+        pass
+    assert sim.contexts == {1}
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.stream(side):
+        assert torch.cuda.current_device() == 1
+    assert torch.cuda.current_device() == 0
+    assert sim.contexts == {0, 1}  # set_stream(device 0's stream): cudaSetDevice(0)
+    assert sim.hazards == []
+
+
+def test_a_nostall_thread_making_a_context_on_an_unused_device_is_found(sim: Simulation) -> None:
+    torch.cuda.set_device(1)
+    side = torch.cuda.Stream(1)
+
+    def work() -> None:
+        with torch.cuda.stream(side):  # current device 0 in a new thread: back to it after
+            torch.ones(2, device="cuda:1")
+
+    thread = threading.Thread(target=work, name="nostall-t")
+    thread.start()
+    thread.join()
+    assert sim.kinds() == {Kind.STRAY_CONTEXT}
+
+
+# --- graph capture ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_capture_rules(sim: Simulation, mode: str) -> None:
+    """What CUDA forbids during capture, by mode; other threads' own streams are free."""
+    x = torch.ones(4, device="cuda")
+    copy = torch.cuda.Stream()
+    copy.library = True
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        capture = torch.cuda.current_stream()
+        assert torch.cuda.is_current_stream_capturing()
+        y = x * 2
+        seen: list[bool] = []
+
+        def other() -> None:  # a thread on its own stream: copies and events run as usual
+            seen.append(torch.cuda.is_current_stream_capturing())
+            with torch.cuda.stream(copy):
+                torch.ones(4).pin_memory().to("cuda", non_blocking=True)
+                torch.cuda.Event().record()
+            torch.cuda.synchronize()  # forbidden in global mode only
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert seen == [False]
+        assert sim.kinds() == ({Kind.CAPTURE} if mode == "global" else set())
+        sim.hazards.clear()
+        capture.query()  # never allowed on the capturing stream
+        assert sim.kinds() == {Kind.CAPTURE}
+        sim.hazards.clear()
+        copy.wait_stream(capture)  # a nostall stream joins the capture
+        assert sim.kinds() == {Kind.CAPTURE}
+        sim.hazards.clear()
+    assert not torch.cuda.is_current_stream_capturing()
+    graph.replay()
+    assert y.device.type == "cuda"
+    assert sim.hazards == []

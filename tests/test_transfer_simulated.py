@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -21,6 +23,7 @@ import torch
 from simcuda import STREAM_POOL, Kind, Simulation, simulated_cuda
 
 import nostall
+from nostall import _streams
 from nostall import transforms as T
 from nostall._channel import Channel
 from nostall._staging import CudaStaging
@@ -316,16 +319,68 @@ def test_a_batch_the_consumer_pulls_itself(sim: Simulation, consumer: str) -> No
     assert sim.hazards == []
 
 
-def test_no_batch_is_handed_out_during_graph_capture(sim: Simulation) -> None:
-    data = _images(3)
-    it = iter(nostall.prefetch(data, "cuda"))
-    first = next(it)
-    sim.capturing.add(torch.cuda.current_stream().id)
-    with pytest.raises(RuntimeError, match="CUDA graph is being captured"):
-        next(it)
-    sim.capturing.clear()
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_no_batch_is_handed_out_during_graph_capture(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """In the capturing thread a batch is refused; the producer copies the next meanwhile.
+
+    What the model holds for certain about capture (see ``simcuda``): the producer's pinning,
+    copies and events on its own streams are not part of the capture in any mode (as an H100
+    with torch 2.11 showed), and nothing nostall does may sync or join the capture.
+    """
+    data = _images(4)
+    capturing, staged = threading.Event(), _count_stages(monkeypatch)
+    acquire = Channel.acquire
+
+    def held(self: Channel, give_up: Callable[[], bool]) -> bool:
+        if threading.current_thread().name.startswith("nostall"):
+            capturing.wait(10.0)  # the producer starts once the capture has begun
+        return acquire(self, give_up)
+
+    monkeypatch.setattr(Channel, "acquire", held)
+    it = iter(nostall.prefetch(data, "cuda", depth=2))
+    first = next(it)  # pulled by the consumer itself: the producer is held
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        capturing.set()
+        staged.wait_for(3)  # the producer pinned, copied and recorded during the capture
+        assert torch.cuda.is_current_stream_capturing()
+        with pytest.raises(RuntimeError, match="CUDA graph is being captured"):
+            next(it)
+        static = first.float() * 2  # captured
+    graph.replay()
     rest = list(it)  # nothing was taken: the refused batch is the next one
     _same([_model(b).cpu() for b in [first, *rest]], _expected(data))
+    assert static.device.type == "cuda"
+    assert sim.hazards == []
+
+
+class _Stages:
+    """How many batches staging has staged: to wait for the producer, with a deadline."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed = threading.Condition()
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.count >= n, timeout), self.count
+
+
+def _count_stages(monkeypatch: pytest.MonkeyPatch) -> _Stages:
+    stages = _Stages()
+    stage = CudaStaging.stage
+
+    def counted(self: CudaStaging, batch: Any) -> Any:
+        out = stage(self, batch)
+        with stages.changed:
+            stages.count += 1
+            stages.changed.notify_all()
+        return out
+
+    monkeypatch.setattr(CudaStaging, "stage", counted)
+    return stages
 
 
 def test_to_device_from_pinned_memory(sim: Simulation) -> None:
@@ -401,6 +456,37 @@ def test_canary(
     assert kind in sim.kinds(), f"removing {removed} went unseen: {sim.hazards}"
 
 
+def _shrinking(n: int = 8) -> list[torch.Tensor]:
+    """Batches of 8, 7, 6, ... images: no two the same size, each smaller than the last."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, 256, (n - i, 3, 20, 24), dtype=torch.uint8, generator=g) for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_shrinking_batches(sim: Simulation, consumer: str) -> None:
+    """The allocator splits the freed blocks of larger batches for smaller ones: still safe."""
+    data = _shrinking()
+    got = _consume(sim, nostall.prefetch(data, "cuda", depth=2), consumer)
+    _same(got, _expected(data))
+    assert sim.hazards == []
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_canary_record_stream_with_shrinking_batches(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, consumer: str
+) -> None:
+    """Without record_stream, a smaller batch's copy lands in a larger batch's freed block.
+
+    An allocator that reused only blocks of the very same size never saw it: it takes the
+    caching allocator's best fit and block splitting to.
+    """
+    monkeypatch.setattr(CudaStaging, "_keep_for_consumer", _no_op)
+    _consume(sim, nostall.prefetch(_shrinking(), "cuda", depth=2), consumer)
+    assert Kind.REUSE in sim.kinds(), f"removing record_stream went unseen: {sim.hazards}"
+
+
 def test_canary_wait_when_the_consumer_pulls(
     sim: Simulation, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -413,18 +499,38 @@ def test_canary_wait_when_the_consumer_pulls(
 TO_FLOAT = T.ToDtype(torch.float32, on="image")
 
 
+#: The source-kernels wait made on another stream than the one the source ran on: the current
+#: stream of the current device (the original bug), or of the target device.
+WRONG_SOURCE_WAITS = {
+    "the current device's stream": "self.stream.wait_stream(torch.cuda.current_stream())",
+    "the target's current stream": (
+        "self.stream.wait_stream(torch.cuda.current_stream(self.device))"
+    ),
+}
+
+
 @pytest.mark.parametrize(
     ("method", "transform", "kind"),
     [
         ("_after_source", None, Kind.UNORDERED),  # the wait for the source's own kernels
         ("_after_source", TO_FLOAT, Kind.UNORDERED),
         ("_keep_for_copy_stream", TO_FLOAT, Kind.REUSE),  # record_stream of device inputs
+        *[
+            (f"_after_source={w}", t, Kind.UNORDERED)
+            for w in WRONG_SOURCE_WAITS
+            for t in (None, TO_FLOAT)
+        ],
     ],
 )
 def test_canary_batches_the_source_put_on_the_device(
     sim: Simulation, monkeypatch: pytest.MonkeyPatch, method: str, transform: Any, kind: Kind
 ) -> None:
-    monkeypatch.setattr(CudaStaging, method, _no_op)
+    if "=" in method:  # the wait kept, on the wrong stream
+        method, wrong = method.split("=")
+        edit = ("self.stream.wait_stream(self.source_stream)", WRONG_SOURCE_WAITS[wrong])
+        monkeypatch.setattr(CudaStaging, method, mutant(CudaStaging, method, *edit))
+    else:
+        monkeypatch.setattr(CudaStaging, method, _no_op)
     # With a timeout the consumer never pulls a batch itself: the source always runs in the
     # producer thread, on the default stream, which only the side consumer's waits could order.
     p = nostall.prefetch(_made_on_the_device(8), "cuda", depth=3, transform=transform, timeout=30.0)
@@ -480,23 +586,30 @@ def test_canary_streams_of_the_wrong_device(
     assert {Kind.WRONG_DEVICE, Kind.UNORDERED} <= sim.kinds()
 
 
-def _run_concurrently_without(removed: str, *fns: Callable[[], torch.Tensor]) -> list[Any]:
-    """``nostall.cuda.run_concurrently`` with one of its three protections removed."""
-    caller = torch.cuda.current_stream()
-    streams = [torch.cuda.Stream() for _ in fns]
-    results = []
-    for fn, stream in zip(fns, streams, strict=True):
-        if removed != "wait for the inputs":
-            stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            results.append(fn())
-    for stream in streams:
-        if removed != "wait for the results":
-            caller.wait_stream(stream)
-    for result in results:
-        if removed != "record_stream":
-            result.record_stream(caller)
-    return results
+def mutant(owner: Any, name: str, old: str, new: str) -> Any:
+    """``owner.name`` recompiled from its own source with ``old`` replaced by ``new``.
+
+    A canary built so tests the code as it is: when the source no longer holds ``old``
+    exactly once, the canary fails here, not silently. The copy runs in its module's globals
+    (a method's zero-argument ``super()`` included).
+    """
+    found = inspect.getattr_static(owner, name)
+    function = found.__func__ if isinstance(found, staticmethod) else found
+    source = textwrap.dedent(inspect.getsource(function))
+    assert 1 == source.count(old), f"{name} no longer reads {old!r}: update the canary"
+    body = textwrap.indent(source.replace(old, new), "    ")
+    code = f"def _make(__class__):\n{body}\n    return {function.__name__}\n"
+    namespace = dict(function.__globals__)
+    exec(compile(code, inspect.getsourcefile(function) or "<mutant>", "exec"), namespace)
+    made = namespace["_make"](owner if isinstance(owner, type) else None)
+    return staticmethod(made) if isinstance(found, staticmethod) else made
+
+
+RUN_CONCURRENTLY = {
+    "wait for the inputs": ("stream.wait_stream(caller)", "pass"),
+    "wait for the results": ("caller.wait_stream(stream)", "pass"),
+    "record_stream": ("tensor.record_stream(caller)", "pass"),
+}
 
 
 @pytest.mark.parametrize(
@@ -508,10 +621,16 @@ def _run_concurrently_without(removed: str, *fns: Callable[[], torch.Tensor]) ->
         ("nothing", None),
     ],
 )
-def test_canary_run_concurrently(sim: Simulation, removed: str, kind: Kind | None) -> None:
+def test_canary_run_concurrently(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, removed: str, kind: Kind | None
+) -> None:
+    """The real ``nostall.cuda.run_concurrently``, with one of its protections edited out."""
+    if removed in RUN_CONCURRENTLY:
+        edited = mutant(_streams, "run_concurrently", *RUN_CONCURRENTLY[removed])
+        monkeypatch.setattr(nostall.cuda, "run_concurrently", edited)
     x = torch.arange(8.0, device="cuda")
     made = sim._made.get(0, 0)
-    a, b = _run_concurrently_without(removed, lambda: x * 2, lambda: x + 1)
+    a, b = nostall.cuda.run_concurrently(lambda: x * 2, lambda: x + 1)
     total = a + b  # the caller reads the results
     del a, b
     # Streams come from a pool: a later Stream() is the CUDA stream that made ``a``. Work
@@ -887,3 +1006,110 @@ def test_views_with_gaps_are_pinned_without_their_gaps(
     assert all(torch.equal(v, g) for v, g in zip(views, got, strict=True))
     assert [(64, 64), (256, 256)] == spans  # the view's data alone, then the whole transpose
     assert sim.hazards == []
+
+
+# --- the protections no test noticed the removal of (issue: the model must catch them) -------
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_canary_the_producer_makes_no_context_on_another_gpu(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, removed: bool
+) -> None:
+    """A rank on cuda:1 (``set_device(1)``, as under torchrun): nothing nostall does touches GPU 0.
+
+    ``torch.cuda.stream(s)`` makes the previous stream's device current again on exit, with
+    an eager ``cudaSetDevice`` that creates that device's context: without the producer's
+    ``set_device``, its copy-stream block would end on GPU 0 every batch, and every rank
+    would hold a context (hundreds of MiB) there.
+    """
+    if removed:
+        edit = ("torch.cuda.set_device(self.device)", "pass")
+        monkeypatch.setattr(CudaStaging, "start_thread", mutant(CudaStaging, "start_thread", *edit))
+    torch.cuda.set_device(1)
+    data, reference = _images(4), _pipeline()
+    got = _consume(sim, nostall.prefetch(data, "cuda", transform=_pipeline()), "side")
+    _same(got, _expected([reference(b) for b in data]))
+    if removed:
+        assert Kind.STRAY_CONTEXT in sim.kinds(), f"removing set_device went unseen: {sim.hazards}"
+    else:
+        assert {1} == sim.contexts
+        assert sim.hazards == []
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_canary_normalize_shared_by_prefetchers_alive_together(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, removed: bool
+) -> None:
+    """One Normalize for training and validation: each copy stream uploads its own coefficients.
+
+    Without the stream in the cache key, one prefetcher's copy stream reads coefficients the
+    other's uploaded, with no wait between the two streams.
+    """
+    if removed:
+        edit = (
+            "key = (device, dtype, scale, current_stream(device))",
+            "key = (device, dtype, scale)",
+        )
+        monkeypatch.setattr(
+            T.Normalize, "_coefficients", mutant(T.Normalize, "_coefficients", *edit)
+        )
+    norm = T.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])
+    data = _images(4)
+    train = iter(nostall.prefetch(data, "cuda", transform=norm))
+    outs = [_model(next(train))]  # the first batch's coefficients are cached by now
+    val = nostall.prefetch(data, "cuda", transform=norm)
+    for a, b in zip(train, val, strict=False):
+        with sim.model_work():
+            outs += [_model(a), _model(b)]
+    torch.cuda.synchronize()
+    reference = T.Normalize([0.5, 0.4, 0.3], [0.2, 0.3, 0.4])
+    want = _expected([reference(b) for b in data])
+    _same(
+        [o.cpu() for o in outs],
+        [want[0], *[w for pair in zip(want[1:], want, strict=False) for w in pair]],
+    )
+    if removed:
+        assert Kind.UNORDERED in sim.kinds(), f"one cache for all went unseen: {sim.hazards}"
+    else:
+        assert sim.hazards == []
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+@pytest.mark.parametrize("removed", [False, True])
+def test_canary_the_consumer_waits_only_for_its_own_batch(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch, consumer: str, removed: bool
+) -> None:
+    """Handing out batch k waits for batch k's event, not for the batches copied ahead of it.
+
+    A hand-out that waits for the whole copy stream (``wait_stream``) is correct but makes the
+    model's kernels wait for copies of batches they do not read yet: the overlap is lost.
+    Once the producer runs ahead, it is let stage the next batch before one is taken, so
+    the copy stream holds work ahead of the batch handed out.
+    """
+    if removed:
+        edit = ("self._wait(consumer, staged.ready)", "consumer.wait_stream(self.stream)")
+        monkeypatch.setattr(CudaStaging, "hand_out", mutant(CudaStaging, "hand_out", *edit))
+    staged = _count_stages(monkeypatch)
+    data = _images(6)
+    to_half = T.ToDtype(torch.float16)
+    p = nostall.prefetch(data, "cuda", depth=2, transform=to_half)
+    it = iter(p)
+    stream = torch.cuda.Stream() if consumer == "side" else None
+    outs = []
+    with contextlib.closing(p), torch.cuda.stream(stream):
+        for i in range(len(data)):
+            # The first two batches are pulled in step with the loop while nostall checks
+            # the source for global random draws (nostall._global_draws); then the producer
+            # runs ahead, and the next batch is staged before this one is taken.
+            if i >= 2:
+                staged.wait_for(min(i + 2, len(data)))
+            batch = next(it)
+            with sim.model_work():
+                outs.append(_model(batch))
+            del batch
+    torch.cuda.synchronize()
+    _same([o.cpu() for o in outs], _expected([to_half(b) for b in data]))
+    if removed:
+        assert Kind.LOST_OVERLAP in sim.kinds(), f"over-waiting went unseen: {sim.hazards}"
+    else:
+        assert sim.hazards == []

@@ -24,6 +24,16 @@ class Kind(enum.Enum):
     FALSE_DEPENDENCY = "copy ordered after model work (false dependency)"
     #: Tensors, or a tensor and a stream, of different devices used together.
     WRONG_DEVICE = "tensors or streams of different devices"
+    #: The model's stream waits for more of a nostall stream's work than its kernels then read
+    #: (a hand-out that waits for the batches copied ahead too): the overlap is lost.
+    LOST_OVERLAP = "the model's kernels wait for copies they do not read (lost overlap)"
+    #: A nostall thread created a CUDA context on a device the process had not used.
+    STRAY_CONTEXT = "CUDA context created on a device the process does not use"
+    #: The host used the result of an asynchronous device-to-host copy before a sync.
+    UNSYNCED_HOST_READ = "host read of a non_blocking device-to-host copy before a sync"
+    #: What CUDA forbids during graph capture: syncing or querying a capturing stream, a
+    #: device-wide sync, a nostall stream joining the capture.
+    CAPTURE = "forbidden during CUDA graph capture"
 
 
 @dataclass(frozen=True)

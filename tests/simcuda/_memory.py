@@ -1,14 +1,31 @@
-"""A model of PyTorch's CUDA caching allocator that remembers who used each block.
+"""A model of PyTorch's CUDA caching allocator that remembers who used each byte range.
+
+It allocates as ``c10/cuda/CUDACachingAllocator.cpp`` does:
+
+* sizes are rounded up to a multiple of 512 bytes (at least 512);
+* requests of at most 1 MiB come from a small pool, larger ones from a large pool;
+* a request takes the smallest free block of its pool that fits (best fit: any larger free
+  block, not only one of its size), on its device and stream, lowest address first on ties;
+* a block larger than the request is split and the remainder goes back to the pool (small
+  pool: a remainder of at least 512 bytes; large pool: of more than 1 MiB);
+* when nothing fits, a new segment is reserved: 2 MiB for small requests, 20 MiB for
+  requests under 10 MiB, else the request rounded up to 2 MiB;
+* a freed block merges with free neighbours of its segment;
+* ``empty_cache`` gives back segments with nothing allocated or waiting.
 
 Invariants:
-    * A block belongs to the stream it was first allocated on and is only ever reused by
-      allocations on that stream (one pool per stream), as in PyTorch.
+    * A segment belongs to the stream it was reserved for, and its blocks are only ever
+      handed to allocations on that stream (one pool per stream), as in PyTorch.
     * A freed block returns to its pool at once, unless ``record_stream`` added other streams:
       then it waits until the host has seen each of those streams pass the point of the free
-      (PyTorch records an event on each and polls it).
-    * A block's access history survives reuse. Each access is tagged with the tenant (the
-      allocation) that made it, so the next tenant's first write is checked against the
-      previous tenant's reads on other streams: that is how a missing ``record_stream`` shows.
+      (PyTorch records an event on each and polls it; in this model an event is done only
+      once the host knows it is, see :mod:`simcuda._simulation`).
+    * The access history of memory survives reuse, by byte range. Each allocation is a
+      tenancy of a range of its segment; a tenancy that ended stays in the segment's history
+      until the host has seen all its accesses finish (or a later tenant's ordered write
+      covered it), and a new tenant's accesses are checked against the earlier tenancies it
+      overlaps: that is how a missing ``record_stream`` shows, also when a smaller tensor
+      lands in part of a larger one's memory.
     * Freed storage is found by polling weak references at the next allocation (no finalizers,
       so nothing runs inside the garbage collector): a free is noticed late, never early, which
       can only delay reuse, never invent a hazard.
@@ -16,19 +33,44 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-#: PyTorch rounds small allocations to 512 bytes; sizes here are compared after the same rounding.
-_ROUND = 512
+#: Every size is rounded up to a multiple of this (PyTorch's ``kMinBlockSize``).
+MIN_BLOCK = 512
+#: Requests up to this size come from the small pool (``kSmallSize``).
+SMALL_SIZE = 2**20
+#: The segment reserved for small requests (``kSmallBuffer``).
+SMALL_BUFFER = 2 * 2**20
+#: The segment reserved for large requests under ``MIN_LARGE_ALLOC`` (``kLargeBuffer``).
+LARGE_BUFFER = 20 * 2**20
+#: From this size a request gets a segment of its own size (``kMinLargeAlloc``) ...
+MIN_LARGE_ALLOC = 10 * 2**20
+#: ... rounded up to a multiple of this (``kRoundLarge``).
+ROUND_LARGE = 2 * 2**20
+
+
+def round_size(nbytes: int) -> int:
+    """The size a request of ``nbytes`` is served with."""
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The segment reserved when no free block fits a (rounded) request of ``size``."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
 @dataclass
 class Access:
-    """One kernel's use of a block."""
+    """One kernel's use of a tenancy's memory."""
 
     stream: int
     seq: int
@@ -37,30 +79,85 @@ class Access:
     where: str
 
 
-@dataclass
-class Block:
-    """Device memory of one size, owned by one stream's pool."""
+@dataclass(eq=False)
+class Tenancy:
+    """One allocation's use of a byte range of a segment, and its accesses."""
+
+    tenant: int
+    start: int
+    end: int
+    last_write: Access | None = None
+    #: The latest read per stream since ``last_write``.
+    reads: dict[int, Access] = field(default_factory=dict)
+    #: Whether a write ordered after the earlier tenancies it overlaps has happened (from
+    #: then on, stream order covers them).
+    settled: bool = False
+
+    def accesses(self) -> list[Access]:
+        return ([self.last_write] if self.last_write else []) + list(self.reads.values())
+
+    def overlaps(self, other: Tenancy) -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+@dataclass(eq=False)
+class Segment:
+    """Memory reserved from the "driver" for one stream's pool on one device."""
 
     id: int
     device: int
     stream: int
     size: int
-    tenant: int = 0
+    small: bool
+    #: The blocks that tile the segment, by address.
+    blocks: list[Block] = field(default_factory=list)
+    #: Tenancies that ended whose accesses may still matter to the next tenants.
+    history: list[Tenancy] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Block:
+    """A piece of a segment: allocated to one tensor's storage, free in its pool, or waiting."""
+
+    segment: Segment
+    offset: int
+    size: int
+    allocated: bool = False
+    #: Freed but waiting for the streams ``record_stream`` named.
+    waiting: bool = False
+    tenancy: Tenancy | None = None
     #: Streams other than ``stream`` named by ``record_stream`` during the current tenancy.
     recorded: set[int] = field(default_factory=set)
-    last_write: Access | None = None
-    #: The latest read per stream since ``last_write``.
-    reads: dict[int, Access] = field(default_factory=dict)
+
+    @property
+    def device(self) -> int:
+        return self.segment.device
+
+    @property
+    def stream(self) -> int:
+        return self.segment.stream
+
+    @property
+    def id(self) -> str:
+        """Where the block is: segment and offset (what an address says on a GPU)."""
+        return f"{self.segment.id}+{self.offset}"
+
+    @property
+    def tenant(self) -> int:
+        return 0 if self.tenancy is None else self.tenancy.tenant
 
 
 class Allocator:
-    """Blocks by storage, pools by stream, and the blocks waiting for recorded streams."""
+    """Segments by stream, free blocks by pool, live blocks by storage, and waiting blocks."""
 
     def __init__(self) -> None:
-        self._next_id = 0
+        self._segment_ids = itertools.count()
+        self._tenants = itertools.count(1)
         #: Live storages (keyed by the storage's C pointer, kept unique by the weak reference).
         self.live: dict[int, tuple[StorageWeakRef, Block]] = {}
-        self.pools: dict[int, list[Block]] = {}
+        self.segments: list[Segment] = []
+        #: Free blocks per (device, stream, small pool).
+        self.pools: dict[tuple[int, int, bool], list[Block]] = {}
         self.pending: list[tuple[Block, dict[int, int]]] = []
         self.peak: dict[int, int] = {}
 
@@ -72,52 +169,127 @@ class Allocator:
     def allocate(
         self, storage: Any, device: int, stream: int, known: dict[int, dict[int, int]], host: Any
     ) -> Block:
-        """Give ``storage`` a block: a free one of its size from ``stream``'s pool, else new."""
+        """Give ``storage`` a block from ``stream``'s pool: best fit, split, or a new segment."""
         self.sweep(known, host)
-        size = -(-max(storage.nbytes(), 1) // _ROUND) * _ROUND
-        pool = self.pools.setdefault(stream, [])
-        for i in range(len(pool) - 1, -1, -1):  # the most recently freed first, as PyTorch
-            if pool[i].size == size and pool[i].device == device:
-                block = pool.pop(i)
-                block.tenant += 1
-                break
+        size = round_size(storage.nbytes())
+        small = size <= SMALL_SIZE
+        pool = self.pools.setdefault((device, stream, small), [])
+        fits = [b for b in pool if b.size >= size]
+        if fits:
+            block = min(fits, key=lambda b: (b.size, b.segment.id, b.offset))
+            pool.remove(block)
         else:
-            block = Block(self._next_id, device, stream, size)
-            self._next_id += 1
+            total = segment_size(size)
+            segment = Segment(next(self._segment_ids), device, stream, total, small)
+            block = Block(segment, 0, total)
+            segment.blocks.append(block)
+            self.segments.append(segment)
+        self._split(block, size, pool)
+        block.allocated = True
+        block.tenancy = Tenancy(next(self._tenants), block.offset, block.offset + block.size)
         self.live[storage._cdata] = (StorageWeakRef(storage), block)
-        allocated = self.allocated(device)
-        self.peak[device] = max(self.peak.get(device, 0), allocated)
+        self.peak[device] = max(self.peak.get(device, 0), self.allocated(device))
         return block
 
+    @staticmethod
+    def _split(block: Block, size: int, pool: list[Block]) -> None:
+        """Cut ``block`` to ``size`` when the remainder is worth keeping, as PyTorch does."""
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK if block.segment.small else remaining > SMALL_SIZE:
+            rest = Block(block.segment, block.offset + size, remaining)
+            blocks = block.segment.blocks
+            blocks.insert(blocks.index(block) + 1, rest)
+            block.size = size
+            pool.append(rest)
+
     def sweep(self, known: dict[int, dict[int, int]], host: dict[int, int]) -> None:
-        """Free blocks whose storage died; release pending blocks the host has seen pass."""
+        """Free blocks whose storage died; release waiting blocks the host has seen pass."""
         for key, (ref, block) in list(self.live.items()):
             if ref.expired():
                 del self.live[key]
+                block.allocated = False
                 if block.recorded:
                     need = {s: known.get(s, {}).get(s, 0) for s in block.recorded}
+                    block.waiting, block.recorded = True, set()
                     self.pending.append((block, need))
-                    block.recorded = set()
                 else:
-                    self.pools.setdefault(block.stream, []).append(block)
+                    self._release(block)
         still = []
         for block, need in self.pending:
             if all(host.get(s, 0) >= seq for s, seq in need.items()):
-                self.pools.setdefault(block.stream, []).append(block)
+                block.waiting = False
+                self._release(block)
             else:
                 still.append((block, need))
         self.pending = still
+        for segment in self.segments:
+            segment.history = [
+                t
+                for t in segment.history
+                if any(host.get(a.stream, 0) < a.seq for a in t.accesses())
+            ]
+
+    def _release(self, block: Block) -> None:
+        """Back to its pool, merged with free neighbours; its tenancy becomes history."""
+        segment = block.segment
+        if block.tenancy is not None:
+            segment.history.append(block.tenancy)
+            block.tenancy = None
+        pool = self.pools.setdefault((segment.device, segment.stream, segment.small), [])
+        blocks = segment.blocks
+        i = blocks.index(block)
+        for j in (i + 1, i - 1):  # the next first, so that i stays valid for the previous
+            if 0 <= j < len(blocks) and self._is_free(blocks[j], pool):
+                other = blocks[j]
+                pool.remove(other)
+                block.offset, block.size = min(block.offset, other.offset), block.size + other.size
+                blocks.remove(other)
+        pool.append(block)
+
+    @staticmethod
+    def _is_free(block: Block, pool: list[Block]) -> bool:
+        return not block.allocated and not block.waiting and block in pool
+
+    def earlier_tenancies(self, block: Block) -> list[Tenancy]:
+        """The ended tenancies of ``block``'s segment that overlap its current one."""
+        current = block.tenancy
+        if current is None:
+            return []
+        return [t for t in block.segment.history if t.overlaps(current)]
+
+    def settle(self, block: Block) -> None:
+        """``block``'s tenant wrote, ordered after the earlier tenancies it overlaps.
+
+        Those it covers entirely can be forgotten: any later access ordered after this write
+        is ordered after them too.
+        """
+        current = block.tenancy
+        if current is None or current.settled:
+            return
+        current.settled = True
+        block.segment.history = [
+            t
+            for t in block.segment.history
+            if not (current.start <= t.start and t.end <= current.end)
+        ]
 
     def allocated(self, device: int) -> int:
-        """Bytes held by live tensors on ``device``."""
-        return sum(b.size for ref, b in self.live.values() if b.device == device)
+        """Bytes held by live tensors on ``device`` (their blocks' sizes)."""
+        return sum(b.size for r, b in self.live.values() if b.device == device and not r.expired())
 
     def reserved(self, device: int) -> int:
-        """Bytes the allocator holds on ``device``: live, pooled and pending blocks."""
-        pooled = sum(b.size for pool in self.pools.values() for b in pool if b.device == device)
-        waiting = sum(b.size for b, _ in self.pending if b.device == device)
-        return self.allocated(device) + pooled + waiting
+        """Bytes of the segments the allocator holds on ``device``."""
+        return sum(s.size for s in self.segments if s.device == device)
 
-    def empty_cache(self) -> None:
-        """Return pooled blocks to the "driver" (they and their history are forgotten)."""
-        self.pools.clear()
+    def empty_cache(self, known: dict[int, dict[int, int]], host: dict[int, int]) -> None:
+        """Give back every segment with nothing allocated or waiting (and forget its history)."""
+        self.sweep(known, host)
+        kept = []
+        for segment in self.segments:
+            if any(b.allocated or b.waiting for b in segment.blocks):
+                kept.append(segment)
+                continue
+            pool = self.pools[(segment.device, segment.stream, segment.small)]
+            for b in segment.blocks:
+                pool.remove(b)
+        self.segments = kept

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -96,8 +97,7 @@ def _to(original: Callable[..., Any]) -> Callable[..., Any]:
                 moved = peer_copy(self, device_index(device), dtype)
                 keep = fmt is torch.preserve_format
                 return moved if keep else moved.contiguous(memory_format=fmt)
-            host = download(self, dtype, non_blocking)
-            return original(host, device, memory_format=fmt)
+            return download(self, dtype, non_blocking, fmt)
         if device is not None and device.type == "cuda":
             fresh = original(self, dtype=dtype, memory_format=fmt, copy=True)
             return upload(self, device_index(device), non_blocking, fresh)
@@ -166,6 +166,7 @@ def _properties(device: Any = None) -> SimpleNamespace:
 def _synchronize(device: Any = None) -> None:
     sim = active()
     index = device_index(device)
+    sim.check_device_sync("torch.cuda.synchronize()")
     clock: dict[int, int] = {}
     with sim.lock:
         for stream in sim.streams.values():
@@ -182,11 +183,11 @@ def _device_context(device: Any) -> Iterator[None]:
         yield
         return
     previous = sim.current_device()
-    sim.set_device(device)
+    sim.set_device(device)  # torch's ExchangeDevice: eager
     try:
         yield
     finally:
-        sim.set_device(previous)
+        sim.set_device(previous, lazy=True)  # torch's MaybeSetDevice: no context made
 
 
 def _sleep(cycles: int) -> None:
@@ -195,6 +196,58 @@ def _sleep(cycles: int) -> None:
     stream = sim.current_stream(None)
     with sim.lock:
         sim.launch(stream)
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph``: capture is bookkeeping; replay runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.stream: SimStream | None = None
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        sim = active()
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise RuntimeError(f"Unknown capture error mode. Expected `global`, `thread_local`, "
+                               f"or `relaxed`, got {capture_error_mode}")  # fmt: skip
+        self.stream = sim.current_stream(None)
+        with sim.lock:
+            sim.capturing[self.stream.id] = (capture_error_mode, threading.get_ident())
+
+    def capture_end(self) -> None:
+        sim = active()
+        with sim.lock:
+            if self.stream is not None:
+                sim.capturing.pop(self.stream.id, None)
+
+    def replay(self) -> None:
+        return None
+
+
+class _GraphContext:
+    """``torch.cuda.graph``: sync, then capture on a side stream, as torch does."""
+
+    def __init__(
+        self,
+        cuda_graph: _Graph,
+        pool: Any = None,
+        stream: SimStream | None = None,
+        capture_error_mode: str = "global",
+    ) -> None:
+        self.graph = cuda_graph
+        self.stream = stream if stream is not None else SimStream()
+        self.mode = capture_error_mode
+        self._context: Any = None
+
+    def __enter__(self) -> None:
+        _synchronize()
+        torch.cuda.empty_cache()
+        self._context = active().use_stream(self.stream)
+        self._context.__enter__()
+        self.graph.capture_begin(capture_error_mode=self.mode)
+
+    def __exit__(self, *exc: object) -> None:
+        self.graph.capture_end()
+        self._context.__exit__(*exc)
 
 
 def replacements() -> list[tuple[Any, str, Any]]:
@@ -218,6 +271,8 @@ def replacements() -> list[tuple[Any, str, Any]]:
         (cuda, "stream", sim.use_stream),
         (cuda, "synchronize", _synchronize),
         (cuda, "_sleep", _sleep),
+        (cuda, "CUDAGraph", _Graph),
+        (cuda, "graph", _GraphContext),
         (cuda, "is_current_stream_capturing", lambda: sim.current_stream(None).id in sim.capturing),
         (cuda, "is_bf16_supported", lambda *a, **k: True),
         (cuda, "get_device_properties", _properties),
@@ -238,7 +293,7 @@ def replacements() -> list[tuple[Any, str, Any]]:
             "max_memory_allocated",
             lambda device=None: sim.memory.peak.get(device_index(device), 0),
         ),
-        (cuda, "empty_cache", sim.memory.empty_cache),
+        (cuda, "empty_cache", lambda: sim.memory.empty_cache(sim.known, sim.host)),
         (torch.Tensor, "to", _to(torch.Tensor.to)),
         (torch.Tensor, "cuda", _cuda),
         (torch.Tensor, "cpu", _cpu(torch.Tensor.cpu)),

@@ -9,7 +9,30 @@ queued it later). This is the model of PyTorch's CUDA sanitizer (``torch.cuda._s
 
 A second clock per stream (``waited``) follows waits only, not the host: the work a stream
 truly depends on. A copy whose waits end on model work the host has not seen finish is a false
-dependency: on a GPU it could not overlap that work.
+dependency: on a GPU it could not overlap that work. The mirror image: the model's stream waiting
+for more of a nostall stream's work than its next kernels read (a hand-out that waits for
+batches copied ahead, not only its own) is lost overlap.
+
+Time: work is done only when the host knows it is. The host learns it by a sync
+(``synchronize()``, ``.item()``, a blocking copy) or when a test says time passed
+(:meth:`Simulation.time_passes`); ``Event.query()`` and ``Stream.query()`` answer "not done"
+until then, and a poll is never taken as a sync. The allocator, too, reuses memory kept for
+other streams only once the host knows they passed: late, never early.
+
+Devices: ``torch.cuda.stream(s)`` makes ``s``'s device current and, on exit, makes the previous
+stream's device current again with ``set_stream`` (an eager ``cudaSetDevice``, which creates
+that device's primary context), as torch does; ``torch.cuda.device(d)`` on exit only notes the
+previous device (torch's ``MaybeSetDevice``: no context). ``contexts`` lists the devices with a
+primary context; a nostall thread that creates one on a device the process had not used costs
+every process (every DDP rank) hundreds of MiB there: a hazard.
+
+Capture (``torch.cuda.graph``): the capturing thread's current stream is the capture stream;
+what this model holds for certain (the CUDA programming guide) is checked: a capture stream
+cannot be synchronized or queried, nor the whole device synchronized from the capturing thread
+(or, in ``"global"`` mode, from any thread), and a stream that waits on an event recorded in
+the capture joins it (its later work is captured, not run). Other threads' work on their own
+streams (the producer pinning and copying) runs as usual in every mode, as an H100 with torch
+2.11 showed.
 
 Invariants:
     * Access A (stream s, step n) is ordered before a kernel on stream t iff s == t or
@@ -73,6 +96,8 @@ class SimStream:
         self.priority = priority
         self.library = created_by_nostall()
         self.id = sim.register_stream(self)
+        if not sim._making_default:
+            sim.use_context(self.device_index)  # created under ``torch.cuda.device(device)``
 
     @property
     def cuda_stream(self) -> int:
@@ -96,14 +121,19 @@ class SimStream:
     def synchronize(self) -> None:
         """The host waits for all work queued here."""
         sim = active()
+        sim.check_capture_sync(self, "Stream.synchronize()")
         sim.host_sync(sim.clock_of(self), "Stream.synchronize()", self.device_index)
 
     def query(self) -> bool:
-        """Always done (the model has no time); the host then knows it is."""
+        """Done only if the host knows all work queued here finished (see the module doc)."""
         sim = active()
+        sim.check_capture_sync(self, "Stream.query()")
         with sim.lock:
-            _merge(sim.host, sim.clock_of(self))
-        return True
+            clock = sim.clock_of(self)
+            done = sim.host.get(self.id, 0) >= clock.get(self.id, 0)
+            if done:
+                _merge(sim.host, clock)
+        return done
 
     def __enter__(self) -> SimStream:
         self._context = active().use_stream(self)
@@ -131,6 +161,8 @@ class SimEvent:
         self.known: Clock = {}
         self.waited: Clock = {}
         self.stream: SimStream | None = None
+        #: Recorded on a stream that was capturing a graph at the time.
+        self.captured = False
 
     def record(self, stream: SimStream | None = None) -> None:
         """Snapshot ``stream`` (the current stream if None) as it is now."""
@@ -138,6 +170,7 @@ class SimEvent:
         stream = sim.current_stream(None) if stream is None else stream
         with sim.lock:
             self.stream = stream
+            self.captured = stream.id in sim.capturing
             self.known = dict(sim.known[stream.id])
             # A waiter depends on everything queued on ``stream`` so far, by a wait.
             self.waited = dict(sim.waited[stream.id])
@@ -151,14 +184,22 @@ class SimEvent:
         """The host waits for the recorded work."""
         sim = active()
         device = None if self.stream is None else self.stream.device_index
+        if self.stream is not None and self.captured:
+            sim.check_capture_sync(self.stream, "Event.synchronize()")
         sim.host_sync(self.known, "Event.synchronize()", device)
 
     def query(self) -> bool:
-        """Always done (the model has no time); the host then knows it is."""
+        """Done only if the host knows the recorded work finished (never recorded: done)."""
         sim = active()
+        if self.stream is None:
+            return True
+        if self.captured:
+            sim.check_capture_sync(self.stream, "Event.query()")
         with sim.lock:
-            _merge(sim.host, self.known)
-        return True
+            done = sim.host.get(self.stream.id, 0) >= self.known.get(self.stream.id, 0)
+            if done:
+                _merge(sim.host, self.known)
+        return done
 
     def elapsed_time(self, end: SimEvent) -> float:
         """The model has no time: 0 ms."""
@@ -181,7 +222,16 @@ class Simulation:
         self.pinned: dict[int, Any] = {}
         #: Steps of the kernels queued as the model's work, per stream.
         self.model_kernels: dict[int, set[int]] = {}
-        self.capturing: set[int] = set()
+        #: Capturing streams: their capture mode and the capturing thread's ident.
+        self.capturing: dict[int, tuple[str, int]] = {}
+        #: Devices with a primary context in this (simulated) process.
+        self.contexts: set[int] = set()
+        #: Per stream of the model's: the nostall streams it waited for, up to which step, not
+        #: yet judged (see :meth:`wait`), what its kernels since read of them, and how many
+        #: kernels it queued since.
+        self.covered: dict[int, Clock] = {}
+        self.needed: dict[int, Clock] = {}
+        self.since_wait: dict[int, int] = {}
         self.kernels = 0
         self._local = threading.local()
         self._defaults: dict[int, SimStream] = {}
@@ -228,12 +278,32 @@ class Simulation:
         """This thread's current device (every thread starts on device 0, as with CUDA)."""
         return int(getattr(self._local, "device", 0))
 
-    def set_device(self, device: Any) -> None:
-        """Set this thread's current device."""
+    def set_device(self, device: Any, lazy: bool = False) -> None:
+        """Set this thread's current device: eagerly (``cudaSetDevice``) unless ``lazy``."""
         index = device_index(device)
         if not 0 <= index < self.device_count:
             raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        if not lazy and index != self.current_device():
+            self.use_context(index)
         self._local.device = index
+
+    def use_context(self, index: int) -> None:
+        """Device ``index`` is used for real: its primary context exists from now on.
+
+        A nostall thread that creates one where the process had none is a hazard: the
+        context costs memory on a GPU the user's process does not otherwise touch.
+        """
+        with self.lock:
+            if index in self.contexts:
+                return
+            self.contexts.add(index)
+        thread = threading.current_thread().name
+        if thread.startswith("nostall"):
+            self.report(
+                Kind.STRAY_CONTEXT,
+                f"thread {thread!r} created a CUDA context on cuda:{index}, a device this "
+                f"process had not used",
+            )
 
     def current_stream(self, device: Any) -> SimStream:
         """This thread's current stream on ``device`` (its default stream until set)."""
@@ -244,24 +314,31 @@ class Simulation:
         return streams.get(index) or self.default_stream(index)
 
     def set_stream(self, stream: SimStream) -> None:
-        """Make ``stream`` this thread's current stream on its device, and that device current."""
+        """``torch.cuda.set_stream``: ``stream`` current on its device, that device current.
+
+        As torch's ``_cuda_setStream``: the device is set eagerly when it changes.
+        """
         self.current_stream(stream.device_index)  # creates the per-thread table
+        self.set_device(stream.device_index)
         self._local.streams[stream.device_index] = stream
-        self._local.device = stream.device_index
 
     @contextlib.contextmanager
     def use_stream(self, stream: SimStream | None) -> Iterator[None]:
-        """``torch.cuda.stream(stream)``: current on its device for the block, then restored."""
+        """``torch.cuda.stream(stream)``, step by step as torch's ``StreamContext`` does it."""
         if stream is None:
             yield
             return
-        device, previous = self.current_device(), self.current_stream(stream.device_index)
+        src_prev = self.current_stream(None)
+        dst_prev = self.current_stream(stream.device_index)
+        if src_prev.device_index != stream.device_index:
+            self.use_context(stream.device_index)  # ``with device(stream.device)``
         self.set_stream(stream)
         try:
             yield
         finally:
-            self._local.streams[stream.device_index] = previous
-            self._local.device = device
+            if src_prev.device_index != stream.device_index:
+                self.set_stream(dst_prev)
+            self.set_stream(src_prev)  # back on the previous device: eagerly
 
     @contextlib.contextmanager
     def model_work(self) -> Iterator[None]:
@@ -285,15 +362,95 @@ class Simulation:
         step = known.get(stream.id, 0) + 1
         known[stream.id] = step
         self.kernels += 1
+        self.since_wait[stream.id] = self.since_wait.get(stream.id, 0) + 1
+        if stream.device_index not in self.contexts:
+            self.use_context(stream.device_index)
         if getattr(self._local, "model", False):
             self.model_kernels.setdefault(stream.id, set()).add(step)
         return step
 
     def wait(self, stream: SimStream, event: SimEvent) -> None:
-        """``stream`` waits for ``event``."""
+        """``stream`` waits for ``event``.
+
+        A nostall stream that waits on an event recorded in a graph capture joins the capture
+        (a hazard). When a stream of the model's waits on a nostall stream's event, the wait
+        is judged once the model queued kernels after it: the steps it covered must all be
+        read by those kernels (see :meth:`_judge`).
+        """
+        origin = event.stream
+        if event.captured and stream.library and origin is not None:
+            self.report(
+                Kind.CAPTURE,
+                f"{stream!r} waits on an event recorded while {origin!r} captured a graph: it "
+                f"joins the capture, and its work is captured instead of run",
+            )
         with self.lock:
+            if origin is not None and origin.library and not stream.library:
+                self._judge(stream)
+                covered = self.covered.setdefault(stream.id, {})
+                step = event.waited.get(origin.id, 0)
+                if step > max(covered.get(origin.id, 0), self.known[stream.id].get(origin.id, 0)):
+                    covered[origin.id] = step
             _merge(self.known[stream.id], event.known)
             _merge(self.waited[stream.id], event.waited)
+
+    def _judge(self, stream: SimStream) -> None:
+        """Lost overlap: ``stream`` waited for nostall work its kernels since did not read.
+
+        A hand-out waits on its own batch's event; the kernels queued after it (up to the next
+        such wait) read that batch, whose last write is the last step the event covers. Steps
+        beyond what they read are later batches' copies the model's kernels were made to wait
+        for. Judged at the next such wait, so a consumer that takes several
+        batches before its kernels read them is judged on the waits together; one whose
+        kernels between two hand-outs read only older batches would be flagged too (no test
+        here does that). Caller holds the lock.
+        """
+        if not self.since_wait.get(stream.id):
+            return  # nothing queued since the last wait: the waits add up
+        needed = self.needed.pop(stream.id, {})
+        for other, step in self.covered.pop(stream.id, {}).items():
+            if needed.get(other, 0) < step:
+                self.hazards.append(
+                    Hazard(
+                        Kind.LOST_OVERLAP,
+                        f"{stream!r} waited for kernel {step} of {self.streams[other]!r} but "
+                        f"its next kernels read its work only up to kernel "
+                        f"{needed.get(other, 0)}: they wait for copies they do not use",
+                        caller(),
+                    )
+                )
+        self.since_wait[stream.id] = 0
+
+    def _note_need(self, stream: SimStream, tenancy: Any) -> None:
+        """A kernel on ``stream`` uses memory last written on a nostall stream: it needs it."""
+        write = tenancy.last_write
+        if write is not None and write.stream != stream.id and not stream.library:
+            needed = self.needed.setdefault(stream.id, {})
+            if needed.get(write.stream, 0) < write.seq:
+                needed[write.stream] = write.seq
+
+    def time_passes(self) -> None:
+        """Everything queued so far finishes; the host knows it (no sync, no hazard)."""
+        with self.lock:
+            for sid, clock in self.known.items():
+                if self.host.get(sid, 0) < clock.get(sid, 0):
+                    self.host[sid] = clock[sid]
+
+    def check_capture_sync(self, stream: SimStream, what: str) -> None:
+        """Synchronizing or querying a stream while it captures a graph is an error in CUDA."""
+        if stream.id in self.capturing:
+            self.report(Kind.CAPTURE, f"{what} of {stream!r} while it captures a graph")
+
+    def check_device_sync(self, what: str) -> None:
+        """A whole-device sync during a capture: the capturing thread, or any in global mode."""
+        me = threading.get_ident()
+        for sid, (mode, thread) in list(self.capturing.items()):
+            if thread == me or mode == "global":
+                self.report(
+                    Kind.CAPTURE,
+                    f"{what} while {self.streams[sid]!r} captures a graph "
+                    f"(capture_error_mode={mode!r})",
+                )
 
     def host_sync(self, clock: Clock, what: str, device: int | None) -> None:
         """The host waits for the work in ``clock``; a hazard where nostall must never wait."""
@@ -319,29 +476,49 @@ class Simulation:
         """Check one kernel's read or write of ``block`` and add it to the history.
 
         Caller holds the lock. A read must come after the last write on another stream; a
-        write after the last write and every read since. A conflict with an earlier tenant of
-        the block is a reuse hazard, with the current tenant a missing wait.
+        write after the last write and every read since. A conflict within the current
+        tenancy is a missing wait; with an earlier tenancy of the same bytes (until the
+        current tenant's first write settles them) a reuse hazard.
         """
+        tenancy = block.tenancy
+        if tenancy is None:
+            return
         known = self.known[stream.id]
-        earlier = [block.last_write] if block.last_write is not None else []
+        self._note_need(stream, tenancy)
+        # A read follows the last write; a write follows it and every read since.
+        before = tenancy.accesses() if write else tenancy.accesses()[:1]
+        found = self._unordered(before if write or tenancy.last_write else [], known, stream.id)
+        if found is not None:
+            self._conflict(block, found, stream, write, op, Kind.UNORDERED)
+        elif not tenancy.settled:
+            for earlier in self.memory.earlier_tenancies(block):
+                prior = self._unordered(earlier.accesses(), known, stream.id)
+                if prior is not None:
+                    self._conflict(block, prior, stream, write, op, Kind.REUSE)
+                    tenancy.settled = True  # reported once; stream order covers the rest
+                    break
+            else:
+                if write:
+                    self.memory.settle(block)
+        here = Access(stream.id, step, tenancy.tenant, op, caller())
         if write:
-            earlier += list(block.reads.values())
-        for prior in earlier:
-            if prior.stream != stream.id and known.get(prior.stream, 0) < prior.seq:
-                self._conflict(block, prior, stream, write, op)
-                break
-        here = Access(stream.id, step, block.tenant, op, caller())
-        if write:
-            block.last_write, block.reads = here, {}
+            tenancy.last_write, tenancy.reads = here, {}
         else:
-            block.reads[stream.id] = here
+            tenancy.reads[stream.id] = here
+
+    @staticmethod
+    def _unordered(accesses: list[Access], known: Clock, stream: int) -> Access | None:
+        """The first of ``accesses`` on another stream that ``known`` does not cover."""
+        for prior in accesses:
+            if prior.stream != stream and known.get(prior.stream, 0) < prior.seq:
+                return prior
+        return None
 
     def _conflict(
-        self, block: Block, prior: Access, stream: SimStream, write: bool, op: str
+        self, block: Block, prior: Access, stream: SimStream, write: bool, op: str, kind: Kind
     ) -> None:
         earlier = self.streams[prior.stream]
-        kind = Kind.REUSE if prior.tenant != block.tenant else Kind.UNORDERED
-        tenant = "a previous tenant of the block" if kind is Kind.REUSE else "the same tensor"
+        tenant = "a previous tenant of the memory" if kind is Kind.REUSE else "the same tensor"
         self.hazards.append(
             Hazard(
                 kind,

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import _simulation
 from ._hazards import Kind
 from ._simulation import SimStream, active
 
@@ -246,17 +247,83 @@ def _finish_upload(src: torch.Tensor, non_blocking: bool, stream: SimStream) -> 
     sim.host_sync(sim.clock_of(stream), f"{why} host-to-device copy", stream.device_index)
 
 
-def download(src: SimTensor, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
-    """Device-to-host: read on the current stream, then the host waits for it."""
+def download(
+    src: SimTensor,
+    dtype: torch.dtype | None,
+    non_blocking: bool,
+    memory_format: torch.memory_format = torch.preserve_format,
+    into: bool = False,
+) -> torch.Tensor:
+    """Device-to-host: a read on the current stream; the host waits for it unless non_blocking.
+
+    With ``non_blocking`` torch copies into pinned memory and returns at once: the result is a
+    :class:`HostResult` whose use before the host knows the copy finished is a hazard. (Into
+    an existing tensor, ``into``, the copy is as asynchronous but its reads are not seen.)
+    """
     sim = active()
     index = src.device.index
     stream = sim.current_stream(index)
     kernel_on(stream, src.data_cpu, False, "copy (device to host)")
     out = _copied(src.data_cpu, dtype)
-    # Even non_blocking=True to pageable memory completes before returning; the model keeps
-    # every download synchronous.
-    sim.host_sync(sim.clock_of(stream), "device-to-host copy", index)
-    return out
+    if memory_format is not torch.preserve_format:
+        out = out.contiguous(memory_format=memory_format)
+    if not non_blocking:
+        sim.host_sync(sim.clock_of(stream), "device-to-host copy", index)
+        return out
+    if into:
+        return out
+    with sim.lock:
+        step = sim.known[stream.id].get(stream.id, 0)
+    pending = out.as_subclass(HostResult)
+    pending.copied_by = (stream.id, step)
+    return mark_pinned(pending)
+
+
+class HostResult(torch.Tensor):
+    """The result of a ``non_blocking`` device-to-host copy, in pinned memory.
+
+    Its values are there at once in the model; using them before the host knows the copy
+    finished (a sync, or :meth:`Simulation.time_passes`) is reported, once per tensor.
+    """
+
+    copied_by: tuple[int, int]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name not in _METADATA and _simulation._ACTIVE is not None:
+            for a in tree_flatten((args, kwargs))[0]:
+                if isinstance(a, HostResult):
+                    _check_host_read(a, name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+#: What reading a tensor's description (not its values) calls.
+_METADATA = {
+    "shape", "dtype", "device", "is_cuda", "is_cpu", "size", "dim", "ndim", "numel", "stride",
+    "is_pinned", "is_contiguous", "storage_offset", "requires_grad", "layout", "is_sparse",
+    "is_nested", "is_quantized", "is_meta", "is_floating_point", "is_complex", "element_size",
+    "nbytes", "itemsize", "untyped_storage", "data_ptr", "__hash__", "__len__", "get_device",
+    "names", "grad", "grad_fn", "is_leaf", "_base", "_is_view", "pin_memory",
+}  # fmt: skip
+
+
+def _check_host_read(t: HostResult, what: str) -> None:
+    sim = active()
+    stream, step = t.copied_by
+    with sim.lock:
+        done = sim.host.get(stream, 0) >= step
+    if not done and not getattr(t, "reported", False):
+        t.reported = True
+        sim.report(
+            Kind.UNSYNCED_HOST_READ,
+            f"{what} of a {tuple(t.shape)} tensor copied from the device with non_blocking=True "
+            f"before the host synchronized with {sim.streams[stream]!r}",
+        )
 
 
 def peer_copy(src: SimTensor, index: int, dtype: torch.dtype | None) -> SimTensor:
@@ -279,7 +346,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torc
         return dst
     if not isinstance(dst, SimTensor):
         with torch._C.DisableTorchFunctionSubclass():
-            return dst.copy_(download(src, None, non_blocking))  # type: ignore[arg-type]
+            return dst.copy_(download(src, None, non_blocking, into=True))  # type: ignore[arg-type]
     if isinstance(src, SimTensor) and src.device != dst.device:
         moved = peer_copy(src, dst.device.index, None)
         return run_on_device(torch.Tensor.copy_, "copy_", (dst, moved), {})
@@ -299,12 +366,18 @@ def is_pinned(t: torch.Tensor) -> bool:
 
 def pin(t: torch.Tensor) -> torch.Tensor:
     """A pinned copy of ``t`` (``t`` itself if it already is)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     if is_pinned(t):
         return t
-    out = t.clone()
+    return mark_pinned(t.clone())
+
+
+def mark_pinned(t: torch.Tensor) -> torch.Tensor:
+    """Book ``t``'s (fresh) storage as pinned memory; return ``t``."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     sim = active()
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = t.untyped_storage()
     with sim.lock:
-        sim.pinned[out.untyped_storage()._cdata] = StorageWeakRef(out.untyped_storage())
-    return out
+        sim.pinned[storage._cdata] = StorageWeakRef(storage)
+    return t
