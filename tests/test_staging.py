@@ -149,3 +149,25 @@ def test_consumer_thread_staging_transforms_at_hand_out(monkeypatch: pytest.Monk
     resumed = nostall.prefetch(data, "cpu", transform=ThreadNotingTransform())
     resumed.load_state_dict(saved)
     assert [4.0, 6.0] == [float(b[0]) for b in resumed]
+
+
+def test_copy_streams_taken_back_inside_a_take_back_do_not_deadlock() -> None:
+    """A take-back inside a take-back (a staging collected meanwhile) does not deadlock.
+
+    The garbage collector may finalise a staging in the thread holding the lock.
+    """
+    import threading
+
+    from nostall._copy_streams import CopyStreams
+
+    lender = CopyStreams()
+    done = threading.Event()
+
+    def nested() -> None:
+        with lender._lock:
+            lender._take_back(0, "a stream")  # type: ignore[arg-type]
+        done.set()
+
+    threading.Thread(target=nested, daemon=True).start()
+    assert done.wait(10.0)
+    assert 1 == lender.free_count(0)

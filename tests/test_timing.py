@@ -143,7 +143,7 @@ def test_timeit_flushes_l2_before_each_run_on_cuda(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_l2_flusher_writes_twice_the_l2_of_the_device() -> None:
-    """Twice the L2 size the device reports (64 MiB at least), on the device; none on the CPU."""
+    """Twice the L2 size the device reports (128 MiB if it says none), on the device."""
     from simcuda import simulated_cuda
 
     from nostall import _timing
@@ -155,4 +155,4 @@ def test_the_l2_flusher_writes_twice_the_l2_of_the_device() -> None:
         buffer = flush.__self__  # type: ignore[attr-defined]
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)
         assert buffer.is_cuda
-        assert 2 * max(l2, 64 * 2**20) == buffer.numel() * buffer.element_size()
+        assert (2 * l2 if l2 else 128 * 2**20) == buffer.numel() * buffer.element_size()

@@ -327,3 +327,17 @@ def test_record_stream_reaches_the_memory_of_sparse_and_nested_tensors(
         assert recorded == [tensor]
     elif kind == "jagged":
         assert tensor.values().untyped_storage().data_ptr() in held  # type: ignore[attr-defined]
+
+
+def test_compact_leaves_tensor_subclasses_as_they_are() -> None:
+    """A subclass (torchvision's tv_tensors) keeps its type and metadata: never compacted."""
+    from nostall._transfer import compact
+
+    class Boxes(torch.Tensor):
+        pass
+
+    whole = torch.arange(40.0).reshape(10, 4)
+    view = whole[:, ::2]
+    assert compact(view).is_contiguous()
+    boxes = whole.as_subclass(Boxes)[:, ::2]
+    assert compact(boxes) is boxes

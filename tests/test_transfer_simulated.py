@@ -833,11 +833,15 @@ def test_copies_an_object_keeps_anywhere_are_protected(
 class Hidden:
     """A batch whose ``.to()`` result keeps its tensor in a closure, out of nostall's sight."""
 
-    def __init__(self, x: torch.Tensor) -> None:
-        self.get = lambda: x
+    def __init__(self, x: torch.Tensor, hide: bool = False) -> None:
+        if hide:
+            self.get = lambda: x
+        else:
+            self.x = x
+            self.get = lambda: self.x
 
     def to(self, device: Any, non_blocking: bool = False) -> Hidden:
-        return Hidden(self.get().to(device, non_blocking=non_blocking))
+        return Hidden(self.get().to(device, non_blocking=non_blocking), hide=True)
 
     def pin_memory(self) -> Hidden:
         return Hidden(self.get().pin_memory())
@@ -882,7 +886,12 @@ class Encoding(collections.UserDict):  # type: ignore[type-arg]
     """As ``transformers.BatchEncoding``: a UserDict with ``.to()`` and no ``pin_memory()``."""
 
     def to(self, device: Any, non_blocking: bool = False) -> Encoding:
-        return Encoding({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
+        return Encoding(
+            {
+                k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+                for k, v in self.items()
+            }
+        )
 
 
 @dataclasses.dataclass
@@ -1113,3 +1122,62 @@ def test_canary_the_consumer_waits_only_for_its_own_batch(
         assert Kind.LOST_OVERLAP in sim.kinds(), f"over-waiting went unseen: {sim.hazards}"
     else:
         assert sim.hazards == []
+
+
+# --- after review: the source after the caller's work; mappings that share storage -----------
+
+
+def test_the_source_reads_device_data_after_the_work_that_wrote_it(sim: Simulation) -> None:
+    """A dataset normalised on the GPU just before the loop: the source stream waits for it.
+
+    As in the plain loop, which reads it on the same stream; the wait is made once, where the
+    epoch opens (a loop on another stream than the one that wrote the data races without
+    nostall too).
+    """
+    consumer = "default"
+    x = torch.arange(48.0, device="cuda").reshape(12, 4)
+    x.mul_(2)  # queued on the default stream, not finished as far as the host knows
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+    got = _consume(sim, (b for (b,) in nostall.prefetch(loader, "cuda")), consumer)
+    _same(got, _expected(list((torch.arange(48.0).reshape(12, 4) * 2).split(4))))
+    assert sim.hazards == []
+
+
+class SharedItems(collections.abc.MutableMapping):  # type: ignore[type-arg]
+    """A mapping whose shallow copy shares its items (kept in an attribute), with ``.to()``."""
+
+    def __init__(self, items: dict[str, torch.Tensor]) -> None:
+        self._d = items
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._d[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._d[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def to(self, device: Any, non_blocking: bool = False) -> SharedItems:
+        return SharedItems({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
+
+
+def test_a_mapping_whose_copy_shares_its_items_is_left_as_it_was(sim: Simulation) -> None:
+    """Pinning a copy of it would write pinned tensors into the user's own object."""
+    batches = [SharedItems({"x": x}) for x in _images(2)]
+    with pytest.warns(UserWarning, match="may be from pageable memory"):
+        got = [b["x"].cpu() for b in nostall.prefetch(batches, "cuda")]
+    _same(got, _images(2))
+    assert not any(b["x"].is_pinned() for b in batches)
+
+
+def test_an_object_with_to_and_no_tensors_is_not_warned_about(sim: Simulation) -> None:
+    """A tokenizer's output without return_tensors: nothing to protect, nothing to say."""
+    batches = [Encoding({"ids": [1, 2, 3]}) for _ in range(2)]
+    assert [[1, 2, 3]] * 2 == [b["ids"] for b in nostall.prefetch(batches, "cuda")]

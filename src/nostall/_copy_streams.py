@@ -32,7 +32,9 @@ class CopyStreams:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a take-back run by reference counting may hold it when the garbage
+        # collector finalises another staging in the same thread (a plain lock deadlocked).
+        self._lock = threading.RLock()
         self._free: dict[int, list[torch.cuda.Stream]] = {}
 
     def lend(self, device: torch.device, borrower: object) -> torch.cuda.Stream:

@@ -231,8 +231,15 @@ class EpochSource:
         #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
         self.mirror = mirror
         if mirror is not None and self.pool is not None:
-            pool = self.pool  # the threads load the shard's DataLoader, inside its iteration
-            mirror.load_with(lambda loader: ThreadedEpoch(loader, pool, lambda: self.room()))
+            pool, draws = self.pool, self.draws  # the shard's DataLoader, inside its iteration
+            mirror.load_with(
+                lambda loader: ThreadedEpoch(
+                    loader,
+                    pool,
+                    lambda: 0 if draws.in_step else self.room(),
+                    inline=lambda: draws.in_step,  # as _iterate: draws in the loop's order
+                )
+            )
         if mirror is not None:
             self.stateful = mirror.stateful
         else:

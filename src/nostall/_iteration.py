@@ -208,9 +208,12 @@ class PrefetchIterator(Iterator[T]):
                 # one right after it.
                 try:
                     batch = self._staging.hand_out(payload)
-                finally:
-                    state_now = self._staging.transform_state()
-                    lineage.at.advance(epoch, self._index, state, state_now)
+                except Exception:
+                    # The batch failed, as one the producer failed on: counted as handed out.
+                    lineage.at.advance(epoch, self._index, state, self._staging.transform_state())
+                    raise
+                # (A KeyboardInterrupt leaves the position before this batch: never seen.)
+                lineage.at.advance(epoch, self._index, state, self._staging.transform_state())
                 if mirror is not None:
                     mirror.hand_out(hook, end=False)
                 return batch  # type: ignore[no-any-return]

@@ -123,6 +123,7 @@ class Puller:
 
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
+        self.staging.before_epoch()
         with self.staging.source_context():
             self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
         self.untouched = True
@@ -163,6 +164,7 @@ class Puller:
                     epochs.forward_epoch(epoch)
                 self.open_marks[epoch] = epochs.marks()
             try:
+                self.staging.before_epoch()
                 with self.staging.source_context():
                     self.batches, self.pulled = epochs.open(epoch, forward=False)
             except BaseException as e:

@@ -11,12 +11,13 @@ ready event and the batch's memory is kept for it (``record_stream``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -61,6 +62,9 @@ class Staging:
     def transform_state(self) -> Any:
         """The transform's state now (``None`` without a transform or ``state_dict``)."""
         return None if self._transform_state is None else self._transform_state()
+
+    def before_epoch(self) -> None:
+        """Called where an epoch's iterator is made, before it is (nothing off CUDA)."""
 
     def source_context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around every call into the source, in whichever thread makes it.
@@ -184,10 +188,20 @@ class CudaStaging(Staging):
 
     def source_context(self) -> contextlib.AbstractContextManager[Any]:
         """The target device and the source stream, current while the source runs."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.source_stream))
-        return stack
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.cuda.device(self.device))
+            stack.enter_context(torch.cuda.stream(self.source_stream))
+            return stack.pop_all()
+
+    def before_epoch(self) -> None:
+        """Order the source stream after the work queued so far on the opening thread's stream.
+
+        Called where an epoch's iterator is made: GPU data prepared before the loop (a
+        dataset normalised on the GPU) is finished before the source reads it, as when the
+        source ran on that stream itself. Once per epoch, not per batch: a wait per batch
+        would queue every copy behind the model's kernels.
+        """
+        self.source_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def start_thread(self) -> None:
         """Also make the target the producer thread's current device (pinning, events use it)."""
@@ -270,9 +284,10 @@ class CudaStaging(Staging):
                 moved = call_to(pinned, device, True)
             seen = _unique(list(iter_tensors(moved)))
             found = [t for t in seen if t.is_cuda]
-            # Fewer tensors seen after .to() than before (or none on the device): it kept
-            # some where nostall cannot look, and cannot protect them.
-            if not found or len(seen) < len(_unique(list(iter_tensors(obj)))):
+            before = len(_unique(list(iter_tensors(obj))))
+            # Fewer tensors seen after .to() than before (or none on the device, from an
+            # object that had some): it kept some where nostall cannot look.
+            if before and (not found or len(seen) < before):
                 _warn_hidden_tensors(type(obj), type(moved))
             out.extend(found)
             return moved
@@ -331,7 +346,12 @@ def _pinned_object(obj: Any) -> Any:
     pinned = call_pin_memory(obj)
     if pinned is not UNHANDLED:
         return pinned
-    if isinstance(obj, Mapping) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+    # Only types whose shallow copy owns its items (a dict subclass, a UserDict: its __copy__
+    # copies .data, a dataclass): another Mapping's copy may share its storage with the
+    # user's object, which the update would then fill with pinned copies.
+    if isinstance(obj, (dict, collections.UserDict)) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    ):
         try:
             return _with_pinned_values(obj)
         except Exception:  # a type that cannot be copied so: a blocking copy is still correct
@@ -347,7 +367,7 @@ def _with_pinned_values(obj: Any) -> Any:
     """A shallow copy of a Mapping or dataclass ``obj`` whose values are pinned."""
     pin = functools.partial(map_tensors, on_tensor=_pinned, on_object=call_pin_memory)
     clone = copy.copy(obj)
-    if isinstance(obj, Mapping):
+    if isinstance(obj, (dict, collections.UserDict)):
         clone.update({k: pin(v) for k, v in obj.items()})
     else:
         for field in dataclasses.fields(obj):
