@@ -315,3 +315,84 @@ def test_exit_waits_for_every_tracked_thread() -> None:
     threading.Timer(0.2, release.set).start()
     join_tracked(time.monotonic() + 30)
     assert not thread.is_alive()
+
+
+TORCH_OPS_FOREVER = """
+entered = threading.Event()
+
+class Augment(torch.utils.data.Dataset):
+    # Sample 0 is quick; every later one runs short torch ops (which release the GIL) forever,
+    # as a long augmentation still running when the script ends.
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        x = torch.ones(3, 32, 32)
+        if i == 0:
+            return x
+        entered.set()
+        while True:
+            x = torch.nn.functional.avg_pool2d(x, 3, 1, 1)
+"""
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_exit_status_kept_while_a_thread_runs_torch_ops(threads: int | None) -> None:
+    """sys.exit(3) while a producer or loading thread is inside torch ops: status 3, no abort.
+
+    A daemon thread coming back from a torch op during finalisation aborted the process
+    ("terminate called without an active exception", status -6).
+    """
+    done = run_script(
+        TORCH_OPS_FOREVER
+        + f"""
+loader = DataLoader(Augment(), batch_size=1)
+for batch in nostall.prefetch(loader, threads={threads}):
+    assert entered.wait(60), "the next sample never started"  # fetched ahead, in a thread
+    break
+print("leaving", flush=True)
+sys.exit(3)
+""",
+        timeout=120,
+    )
+    assert_clean(done)
+    assert "terminate called" not in done.stderr, done.stderr
+    assert 3 == done.returncode, done.stderr[-3000:]
+    assert "leaving" in done.stdout
+
+
+def test_exit_interrupts_a_thread_that_catches_the_interrupt_once() -> None:
+    """A thread that swallows the first interrupt is interrupted again until it ends."""
+    import threading
+
+    from nostall._exit import _tracked, track, wind_down
+
+    caught: list[BaseException] = []
+    stop = threading.Event()
+
+    def stubborn() -> None:
+        for _ in range(2):
+            try:
+                while not stop.is_set():
+                    torch_op()
+            except BaseException as e:
+                caught.append(e)
+        # the second interrupt ends the loop above; this thread then returns
+
+    def torch_op() -> None:
+        import torch
+
+        torch.ones(8).add_(1)
+
+    thread = track(threading.Thread(target=stubborn, daemon=True))
+    thread.start()
+    try:
+        left = wind_down(polite_s=0.0, interrupt_s=60.0)
+    finally:
+        stop.set()
+        _tracked.discard(thread)
+        from nostall import _exit
+
+        _exit.exiting.clear()
+    assert [] == left
+    assert 2 == len(caught)
+    assert all(isinstance(e, SystemExit) for e in caught)

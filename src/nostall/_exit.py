@@ -1,19 +1,42 @@
 """The threads interpreter exit waits for: every producer and loading thread nostall starts.
 
 A thread still releases its last objects (tensors, a loader's iterator) after its work ended;
-left to run into the interpreter's finalisation, a daemon thread is ended inside that C++ code,
-which aborts the process ("terminate called without an active exception"). So exit waits, a
-bounded time, for every thread registered here (see ``_producer.stop_all_producers``).
+left to run into the interpreter's finalisation, a daemon thread that comes back from C++ code
+(a torch op that released the GIL) is ended inside that code, which aborts the process
+("terminate called without an active exception", status -6, whatever the script's own exit
+status was). So exit (:func:`wind_down`) waits, a bounded time, for every thread registered
+here; then it interrupts those still running between two of their Python steps, where ending
+them is harmless, and waits again. Only a thread that stays inside one C call for the whole
+second wait is left running: if that call never returns, the process exits normally; only one
+that returns during finalisation can still abort it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
 import weakref
 
 _tracked: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+#: Set once the interpreter began to exit: threads take no new work (see ``_threads.Pool``).
+exiting = threading.Event()
+
+#: Seconds exit waits, after interrupting the threads still running, for them to end.
+INTERRUPT_WAIT_S = 10.0
+
+#: Seconds between two interrupts of a thread that is still running.
+RESEND_S = 0.5
+
+
+class InterpreterExit(SystemExit):
+    """Raised inside a nostall thread still running when the interpreter exits.
+
+    A ``SystemExit``: a dataset's ``except Exception`` does not swallow it, and a thread it
+    ends prints nothing.
+    """
 
 
 def track(thread: threading.Thread) -> threading.Thread:
@@ -27,6 +50,38 @@ def join_tracked(deadline: float) -> None:
     for thread in list(_tracked):
         if thread.is_alive() and thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def interrupt(thread: threading.Thread) -> bool:
+    """Raise :class:`InterpreterExit` in ``thread`` at its next Python step; True if sent.
+
+    A thread inside a C call gets it when the call returns (a torch op: when the op is done).
+    """
+    ident = thread.ident
+    if ident is None or not thread.is_alive():
+        return False
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    sent = set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(InterpreterExit))
+    return bool(sent == 1)
+
+
+def wind_down(polite_s: float, interrupt_s: float = INTERRUPT_WAIT_S) -> list[threading.Thread]:
+    """At exit: wait ``polite_s`` for the tracked threads, interrupt the rest, wait again.
+
+    Returns the threads still running after both waits. The caller has asked every producer
+    to stop first.
+    """
+    exiting.set()
+    join_tracked(time.monotonic() + polite_s)
+    me = threading.current_thread()
+    running = [t for t in list(_tracked) if t.is_alive() and t is not me]
+    deadline = time.monotonic() + interrupt_s
+    while running and time.monotonic() < deadline:
+        for thread in running:
+            interrupt(thread)  # again each round: a thread may have caught the last one
+        join_tracked(min(deadline, time.monotonic() + RESEND_S))
+        running = [t for t in running if t.is_alive()]
+    return running
 
 
 if hasattr(os, "register_at_fork"):

@@ -18,7 +18,6 @@ import functools
 import os
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
-from ._exit import join_tracked, track
+from ._exit import track, wind_down
 from ._staging import Staged, Staging
 from ._torch_compat import dead_workers_behind
 
@@ -399,12 +398,15 @@ _live: set[Puller] = set()
 
 
 def stop_all_producers(timeout: float = EXIT_JOIN_S) -> None:
-    """Ask every live producer to stop; wait up to ``timeout`` s for every nostall thread."""
+    """Ask every live producer to stop, and end every nostall thread (see ``_exit.wind_down``).
+
+    ``timeout``: seconds the threads are given to end on their own before being interrupted.
+    """
     for puller in list(_live):
         puller.channel.stop.set()
         if puller.channel.thread is not None:
             track(puller.channel.thread)
-    join_tracked(time.monotonic() + timeout)
+    wind_down(timeout)
 
 
 def join_quietly(thread: threading.Thread | None, timeout: float) -> bool:

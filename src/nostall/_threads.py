@@ -54,6 +54,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
+from . import _exit
 from ._accelerate import prepared_loader_types, unthreadable_shard
 from ._device import caller_outside_nostall
 from ._exceptions import add_note
@@ -246,9 +247,9 @@ class Pool:
     def _run(self, worker: int) -> None:
         while True:
             with self.lock:
-                if not self.tasks:
+                if not self.tasks and not _exit.exiting.is_set():
                     self.work.wait(IDLE_S)
-                if not self.tasks:
+                if not self.tasks or _exit.exiting.is_set():  # at exit: no new work
                     self.live -= 1
                     self.free_ids.append(worker)
                     self.free_ids.sort()
