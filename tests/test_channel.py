@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from nostall import PrefetchTimeoutError, ProducerDiedError
+from nostall import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
 from nostall._channel import BATCH, END, Channel, Message
 
 
@@ -171,6 +171,23 @@ def test_a_dead_producer_is_reported_not_waited_for() -> None:
     with pytest.raises(ProducerDiedError, match="nostall-test-dead") as e:
         channel.get(0, None, lambda: pytest.fail("a dead producer's source is not pulled here"))
     assert "nostall-test-dead" == e.value.thread
+
+
+def test_a_consumer_waiting_when_the_channel_is_let_go_is_told_why() -> None:
+    """Let go while the consumer waits (close() in another thread): why, never "a bug"."""
+    channel = Channel(1, "x")
+    waiting = threading.Event()
+
+    def producer() -> None:  # ends without a message once the channel is let go, as produce()
+        waiting.wait(60)
+        channel.stop.wait(60)
+
+    channel.thread = threading.Thread(target=producer)
+    channel.thread.start()
+    threading.Timer(0.05, lambda: (waiting.set(), channel.wake_to_stop("it was closed"))).start()
+    with pytest.raises(PrefetcherClosedError, match=r"waited for batch 4 .*: it was closed"):
+        channel.get(4, None)
+    channel.thread.join()
 
 
 def test_the_last_message_of_a_producer_that_ended_is_delivered() -> None:

@@ -388,6 +388,55 @@ def test_iteration_of_a_closed_prefetcher_raises() -> None:
         next(it)
 
 
+def _iterate_in_threads(p: Any, loops: int, also: Callable[[], None] = lambda: None) -> list[str]:
+    """Run ``loops`` full loops over ``p`` in threads at once, then ``also()``; their errors."""
+    errors: list[str] = []
+    started = threading.Barrier(loops + 1)
+
+    def loop() -> None:
+        started.wait(60)
+        try:
+            for _ in p:
+                pass
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=loop) for _ in range(loops)]
+    for thread in threads:
+        thread.start()
+    started.wait(60)
+    also()
+    for thread in threads:
+        thread.join(60)
+    p.close()
+    return errors
+
+
+# One thread's iter(loader) draws the DataLoader's base seed from torch's generator while the
+# other's first pull is watched for draws: that thread's source reads as drawing.
+@pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+def test_two_threads_iterating_one_prefetcher_are_told_what_happened() -> None:
+    """iter() in two threads at once: the loser hears of the newer iteration, never "a bug"."""
+    errors = []
+    for _ in range(30):
+        errors += _iterate_in_threads(nostall.prefetch(DataLoader(range(400), batch_size=4)), 2)
+    assert errors, "no run overlapped"
+    for error in errors:
+        assert error.startswith("PrefetcherClosedError"), error
+        assert "a newer iter()" in error, error
+
+
+def test_close_from_another_thread_is_reported_as_a_close() -> None:
+    """close() while another thread iterates: that thread hears of the close, never "a bug"."""
+    errors = []
+    for _ in range(30):
+        p = nostall.prefetch(DataLoader(range(4000), batch_size=4))
+        errors += _iterate_in_threads(p, 1, also=p.close)
+    for error in errors:
+        assert error.startswith("PrefetcherClosedError"), error
+        assert "closed" in error, error
+
+
 def test_context_manager_closes() -> None:
     """Leaving the ``with`` block closes the prefetcher."""
     with nostall.prefetch(CountingSource(1000)) as p:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._exceptions import PrefetchTimeoutError, ProducerDiedError
+from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
 
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
@@ -76,6 +76,8 @@ class Channel:
         #: Whether nothing is queued now (the queue's own method: asked for every batch).
         self.empty: Callable[[], bool] = self.items.empty
         self.stop = threading.Event()
+        #: Why ``stop`` was set, for a consumer still waiting (see :meth:`wake_to_stop`).
+        self.stopped_why = ""
         #: Wakes a producer waiting for a slot or for the consumer (set by either side).
         self.wake = threading.Event()
         #: The producer thread; the consumer reports its death instead of waiting forever.
@@ -192,6 +194,14 @@ class Channel:
                 return self.items.get(timeout=wait)
             except queue.Empty:
                 pass
+            if self.stop.is_set():
+                # Let go while this consumer waited (another thread closed the prefetcher or
+                # started a newer iteration): say so, not that the producer died.
+                raise PrefetcherClosedError(
+                    f"this iteration was stopped while next() waited for batch {index} of the "
+                    f"epoch from {self.describe}: {self.stopped_why}; start a new one with "
+                    f"iter(prefetcher)"
+                )
             if not self._producer_alive():
                 try:  # it may have sent its last message just before it ended
                     return self.items.get_nowait()
@@ -222,8 +232,12 @@ class Channel:
 
     # -- either side ---------------------------------------------------------------------------
 
-    def wake_to_stop(self) -> None:
-        """Let the channel go: the producer stops at its next wait (a slot or the consumer)."""
+    def wake_to_stop(self, why: str = "it was let go") -> None:
+        """Let the channel go: the producer stops at its next wait (a slot or the consumer).
+
+        ``why`` is what a consumer still waiting on the channel is told (see :meth:`_wait`).
+        """
+        self.stopped_why = why
         self.stop.set()
         self.slots.release()  # wakes a producer waiting for a slot at once
         self.wake.set()

@@ -408,7 +408,7 @@ class PrefetchIterator(Iterator[T]):
         self._stopped_why = why
         if self._puller is not None:
             self._last_depth = self._lineage.last_depth = self._puller.channel.depth
-            self._puller.stop()
+            self._puller.stop(why)
             self._puller = None
 
     def __del__(self) -> None:

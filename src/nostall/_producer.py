@@ -316,9 +316,12 @@ class Puller:
                 next_epoch()
         self.channel.wake.set()
 
-    def stop(self) -> None:
-        """Let the channel go: the producer ends at its next wait, pulling nothing more."""
-        self.channel.wake_to_stop()
+    def stop(self, why: str = "it was let go") -> None:
+        """Let the channel go: the producer ends at its next wait, pulling nothing more.
+
+        ``why``: what a consumer still waiting on the channel is told.
+        """
+        self.channel.wake_to_stop(why)
 
     @property
     def stopped(self) -> bool:
