@@ -254,3 +254,26 @@ def lightning_seed_unset() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def refused_thread_starts(prefix: str, refusals: int | None = None) -> Iterator[list[str]]:
+    """Make the OS refuse to start threads named ``prefix...``: the first ``refusals`` (all).
+
+    Yields the names refused, as they are. Raises what ``Thread.start`` raises when the OS has
+    no thread left ("can't start new thread").
+    """
+    refused: list[str] = []
+    start = threading.Thread.start
+
+    def refusing_start(thread: threading.Thread) -> None:
+        if thread.name.startswith(prefix) and (refusals is None or len(refused) < refusals):
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    threading.Thread.start = refusing_start  # type: ignore[method-assign]
+    try:
+        yield refused
+    finally:
+        threading.Thread.start = start  # type: ignore[method-assign]

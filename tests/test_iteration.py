@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import refused_thread_starts, wait_for_no_nostall_threads, wait_until
 from torch.utils.data import DataLoader
 
 import nostall
@@ -148,3 +148,17 @@ def test_a_producer_paused_at_an_error_stays_paused_until_the_error_is_taken() -
     assert it._lineage.thread is paused
     assert next(it).tolist() == [8, 9]  # the loop caught it and asks on: producing resumes
     assert it._lineage.thread is not paused
+
+
+def test_a_refused_producer_thread_raises_the_os_error_then_next_goes_on() -> None:
+    """The OS refuses the producer thread: next() raises its error once; the next one goes on."""
+    p = nostall.prefetch(list(range(6)))
+    it = iter(p)
+    with (
+        refused_thread_starts("nostall-prefetch", refusals=1),
+        pytest.raises(RuntimeError, match="can't start new thread"),
+    ):
+        next(it)
+    assert list(range(6)) == list(it)
+    p.close()
+    wait_for_no_nostall_threads()

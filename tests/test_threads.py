@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_batches, wait_for_no_nostall_threads
+from helpers import assert_same_batches, refused_thread_starts, wait_for_no_nostall_threads
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
@@ -495,3 +495,45 @@ def test_a_worker_init_fn_is_not_called_and_the_user_is_told() -> None:
     assert "threading.local(), get_worker_info().id" in str(w[0].message)
     assert 2 == len(batches)
     assert [] == called
+
+
+def test_refused_loading_threads_fail_their_batch_with_the_os_error_then_load() -> None:
+    """Every slot refused by the OS: that batch raises the OS's error once; the rest load."""
+    loader = DataLoader(list(range(24)), batch_size=4)
+    with unwatched():  # no batch loaded in the consumer's thread first: the pool starts at once
+        p = nostall.prefetch(loader, threads=2, timeout=30)
+    got: list[Any] = []
+    it = iter(p)
+    with refused_thread_starts("nostall-load", refusals=2) as refused:  # both workers' slots
+        for _ in range(6):
+            try:
+                got.append(next(it).tolist())
+            except RuntimeError as e:
+                got.append(str(e))
+    assert ["nostall-load-0", "nostall-load-0"] == refused
+    assert ["can't start new thread"] + [list(range(i, i + 4)) for i in range(4, 24, 4)] == got
+    p.close()
+    wait_for_no_nostall_threads()
+
+
+def test_pool_task_without_a_thread_gets_the_os_error() -> None:
+    """A task no thread can run fails with the OS's error; the next submit starts a thread."""
+    pool = Pool(2, "nostall-load-test")
+    with refused_thread_starts("nostall-load-test"):
+        failed = pool.submit(lambda worker: worker)
+    assert isinstance(failed.exception(timeout=30), RuntimeError)
+    assert 0 == pool.live
+    assert 7 == pool.submit(lambda worker: 7).result(timeout=30)
+
+
+def test_a_refused_loading_thread_leaves_the_running_ones_loading() -> None:
+    """One loading thread of two is refused: one warning, every batch, in order."""
+    loader = DataLoader(list(range(24)), batch_size=4)
+    with (
+        refused_thread_starts("nostall-load-1") as refused,
+        pytest.warns(RuntimeWarning, match="could not start loading thread"),
+    ):
+        got = [b.tolist() for b in nostall.prefetch(loader, threads=2)]
+    assert refused
+    assert [list(range(i, i + 4)) for i in range(0, 24, 4)] == got
+    wait_for_no_nostall_threads()

@@ -111,6 +111,8 @@ class PrefetchIterator(Iterator[T]):
         #: This thread's intra-op thread count, to give back to the process once the producer
         #: has set its own (torch keeps the last count set, in any thread, for new threads).
         self._threads: int | None = None
+        #: The OS refused the producer thread at the last start: start it at the next next().
+        self._launch_failed = False
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
@@ -137,6 +139,8 @@ class PrefetchIterator(Iterator[T]):
                 puller = self._start_or_end()
             elif self._lineage.fork_generation != _producer.fork_generation:
                 check_not_forked(self._lineage)
+            elif self._launch_failed:
+                self._launch(puller)
             if puller.after_error and (self._lineage.epoch, self._index) >= puller.paused_at:
                 self._go_on_after_error(puller)  # the loop caught the error and asks for more
             if self._index == puller.expected:
@@ -365,9 +369,15 @@ class PrefetchIterator(Iterator[T]):
                 daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
             )
         )
+        try:
+            thread.start()
+        except RuntimeError as e:  # the OS refused a thread: the next next() tries again
+            self._launch_failed = True
+            add_note(e, "nostall: raised starting the producer thread; nothing was lost")
+            raise
+        self._launch_failed = False
         puller.channel.thread = thread
         self._lineage.thread = thread
-        thread.start()
 
     def _go_on_after_error(self, puller: Puller) -> None:
         """The loop caught an error in one batch and asks for the next: resume producing.

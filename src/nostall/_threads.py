@@ -228,6 +228,7 @@ class Pool:
         self.work = threading.Condition(self.lock)
         self.live = 0
         self.free_ids = list(range(size))
+        self.warned = False  # about a thread the OS refused
 
     def submit(self, task: Callable[[int], Any]) -> Future[Any]:
         """Queue ``task(worker_id)``; return its future."""
@@ -235,14 +236,41 @@ class Pool:
         with self.lock:
             self.tasks.append((future, task))
             if self.live < self.size:
-                self.live += 1
-                worker = self.free_ids.pop(0)
+                worker = self.free_ids[0]
                 name = f"{self.name}-{worker}"
                 thread = threading.Thread(target=self._run, args=(worker,), name=name, daemon=True)
-                track(thread).start()  # interpreter exit waits for it
+                try:
+                    track(thread).start()  # interpreter exit waits for it
+                except RuntimeError as e:  # the OS refused a thread ("can't start new thread")
+                    self._not_started(future, name, e)
+                    return future
+                self.free_ids.pop(0)
+                self.live += 1  # under the lock: the thread cannot end before it is counted
             else:
                 self.work.notify()
         return future
+
+    def _not_started(self, future: Future[Any], name: str, error: RuntimeError) -> None:
+        """A thread could not be started (the caller holds ``lock``); nothing is counted.
+
+        With threads running, they take the task, and the pool loads with fewer threads (one
+        warning). With none, the task fails with the OS's error: its batch raises it, and the
+        next batch tries to start a thread again.
+        """
+        if self.live:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"nostall: could not start loading thread {name!r} ({error}); loading with "
+                    f"the {self.live} running, out of threads={self.size}: lower threads= or "
+                    f"the process's other threads",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
+        self.tasks.pop()  # the task just queued: no thread will run it
+        add_note(error, f"nostall: raised starting loading thread {name!r}")
+        future.set_exception(error)
 
     def _run(self, worker: int) -> None:
         while True:
