@@ -518,6 +518,106 @@ def test_timeout_names_the_wait_and_loses_nothing() -> None:
     it.close()
 
 
+class Blocking(Dataset[torch.Tensor]):
+    """Sample 5 blocks (in C: a lock) until ``release`` is set, the first time it is loaded."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.blocked = threading.Event()
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5 and not self.blocked.is_set():
+            self.blocked.set()
+            self.release.wait()
+        return torch.tensor(i)
+
+
+BLOCKING_BATCHES = [[i, i + 1] for i in range(0, 16, 2)]
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_timeout_names_the_sample_that_has_not_returned(threads: int | None) -> None:
+    """The timeout names the stuck sample and the line it waits at."""
+    data = Blocking()
+    p = nostall.prefetch(DataLoader(data, batch_size=2), timeout=0.5, threads=threads)
+    try:
+        with pytest.raises(PrefetchTimeoutError) as info:
+            list(p)
+        assert "dataset[5]" in str(info.value)
+        assert "test_prefetcher.py" in str(info.value)
+        assert "in __getitem__" in str(info.value)
+    finally:
+        data.release.set()
+        p.close()
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_the_epoch_after_a_timeout_starts_anew(threads: int | None) -> None:
+    """A sample stuck past timeout=: the next epoch loads every batch, as a DataLoader's does."""
+    data = Blocking()
+    p = nostall.prefetch(DataLoader(data, batch_size=2), timeout=0.5, threads=threads)
+    try:
+        with pytest.raises(PrefetchTimeoutError):
+            list(p)
+        if threads is None:  # the producer itself is stuck: started without it, with a warning
+            with pytest.warns(RuntimeWarning, match="starts from a new iterator without it"):
+                epoch = [b.tolist() for b in p]
+        else:  # the producer let go of the stuck loading thread
+            epoch = [b.tolist() for b in p]
+        assert BLOCKING_BATCHES == epoch
+        assert BLOCKING_BATCHES == [b.tolist() for b in p]
+    finally:
+        data.release.set()
+        p.close()
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)
+
+
+def test_close_after_a_timeout_does_not_wait_for_the_stuck_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close() after a timeout returns without waiting out its join on the stuck producer."""
+    import nostall._prefetcher as module
+
+    monkeypatch.setattr(module, "CLOSE_JOIN_S", 120.0)
+    data = Blocking()
+    p = nostall.prefetch(DataLoader(data, batch_size=2), timeout=0.5)
+    try:
+        with pytest.raises(PrefetchTimeoutError):
+            list(p)
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"dataset\[5\]"):
+            p.close()
+        assert time.monotonic() - start < 60.0  # not the 120 s join
+    finally:
+        data.release.set()
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)
+
+
+def test_the_loaders_own_timeout_applies_under_threads() -> None:
+    """DataLoader(timeout=) under threads=: the DataLoader's error, naming the sample; goes on."""
+    data = Blocking()
+    loader = DataLoader(data, batch_size=2, timeout=0.5)
+    p = nostall.prefetch(loader, threads=2, timeout=60)  # the loader's comes first
+    got: list[Any] = []
+    it = iter(p)
+    try:
+        for _ in range(8):
+            try:
+                got.append(next(it).tolist())
+            except RuntimeError as e:
+                got.append(str(e))
+    finally:
+        data.release.set()
+        p.close()
+    assert BLOCKING_BATCHES[:2] == got[:2]
+    assert got[2].startswith("DataLoader timed out after 0.5 seconds: dataset[5]"), got[2]
+    assert BLOCKING_BATCHES[3:] == got[3:]
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)
+
+
 def test_dead_producer_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer that ends without a word raises ProducerDiedError, never hangs."""
     import nostall._iteration as module

@@ -298,6 +298,22 @@ class EpochSource:
         """See :func:`epoch_marks`."""
         return epoch_marks(self.source)
 
+    def independent_epochs(self) -> bool:
+        """Whether an epoch's iterator shares nothing of the previous one's but the dataset.
+
+        So an epoch may start while a thread is still stuck inside the previous epoch's
+        iterator, as a DataLoader's new worker processes do after a timeout: with ``threads=``
+        (each epoch a new ``ThreadedEpoch``), or a DataLoader whose ``iter()`` builds a new
+        iterator (no persistent workers) over a map-style dataset (an iterable dataset may
+        return itself from ``iter()``) or in worker processes (each with its own copy).
+        """
+        if self.pool is not None:
+            return True
+        source = self.source
+        if self.mirror is not None or not isinstance(source, DataLoader) or _persistent(source):
+            return False
+        return source.num_workers > 0 or not isinstance(source.dataset, IterableDataset)
+
     def after_pull(self, end: bool) -> Any:
         """What the consumer must replay when this pull is handed out (accelerate), or None."""
         return None if self.mirror is None else self.mirror.after_pull(end)

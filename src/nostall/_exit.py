@@ -31,8 +31,10 @@ INTERRUPT_WAIT_S = 10.0
 RESEND_S = 0.5
 
 
-class InterpreterExit(SystemExit):
-    """Raised inside a nostall thread still running when the interpreter exits.
+class ThreadLetGo(SystemExit):
+    """Raised inside a nostall thread that is let go: at exit, or stuck past a timeout.
+
+    (See :func:`wind_down` and ``_lineage.Lineage.let_go_of_stuck``.)
 
     A ``SystemExit``: a dataset's ``except Exception`` does not swallow it, and a thread it
     ends prints nothing.
@@ -53,7 +55,7 @@ def join_tracked(deadline: float) -> None:
 
 
 def interrupt(thread: threading.Thread) -> bool:
-    """Raise :class:`InterpreterExit` in ``thread`` at its next Python step; True if sent.
+    """Raise :class:`ThreadLetGo` in ``thread`` at its next Python step; True if sent.
 
     A thread inside a C call gets it when the call returns (a torch op: when the op is done).
     """
@@ -61,7 +63,7 @@ def interrupt(thread: threading.Thread) -> bool:
     if ident is None or not thread.is_alive():
         return False
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    sent = set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(InterpreterExit))
+    sent = set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(ThreadLetGo))
     return bool(sent == 1)
 
 

@@ -32,6 +32,7 @@ from ._epochs import readable_epoch
 from ._exceptions import (
     NostallError,
     PrefetcherClosedError,
+    PrefetchTimeoutError,
     add_note,
     is_noted,
 )
@@ -157,6 +158,10 @@ class PrefetchIterator(Iterator[T]):
             # Wherever it landed (starting the epoch, waiting, or inside the source when this
             # thread pulled a batch itself), the iteration stops and its producer with it.
             self._stop("interrupted by KeyboardInterrupt")
+            raise
+        except PrefetchTimeoutError as e:
+            if e.thread is not None and e.phase is not None and "previous" not in e.phase:
+                self._lineage.timed_out = e.thread  # stuck in the source: see let_go_of_stuck
             raise
         except (StopIteration, NostallError):
             raise

@@ -13,8 +13,9 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
-from . import _producer
+from . import _exit, _producer, _stacks
 from ._channel import BATCH, POLL_S, Channel
+from ._device import caller_outside_nostall
 from ._epochs import EpochSource
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
 from ._producer import Puller
@@ -74,6 +75,9 @@ class Lineage:
         self.fork_generation = _producer.fork_generation
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
         self.checked_world = False
+        #: The name of the producer thread a ``timeout`` was raised on: it is stuck in the
+        #: source, and a new iteration or ``close()`` lets it go (see :meth:`let_go_of_stuck`).
+        self.timed_out: str | None = None
 
     @property
     def epoch(self) -> int:
@@ -125,6 +129,11 @@ class Lineage:
     def wait_for_previous_producer(self, timeout: float | None) -> None:
         """Return once the latest producer ended: two threads must never pull from one source.
 
+        Except a producer a ``timeout`` was raised on (stuck in the source): it is let go
+        (:meth:`let_go_of_stuck`), and, if it is still stuck after ``timeout`` and each epoch
+        of the source is independent of the previous one, the new iteration starts without
+        it, as a DataLoader starts new workers after a timeout (a warning says so).
+
         Raises:
             PrefetchTimeoutError: it is still inside ``next(source)`` after ``timeout`` s (the
                 lineage is left as it was, so that the caller may try again).
@@ -132,19 +141,49 @@ class Lineage:
         previous = self.thread
         if previous is None:
             return
+        stuck = self.let_go_of_stuck()
         waited = 0.0
         while previous.is_alive():
             if timeout is not None and waited >= timeout:
+                where = _stacks.stuck_at(previous)
+                at = f" ({where})" if str(where) else ""
+                if stuck and self.epochs.independent_epochs():
+                    warnings.warn(
+                        f"nostall: the producer thread {previous.name!r} is still inside the "
+                        f"previous epoch's source{at} after timeout={timeout} s; this epoch "
+                        f"starts from a new iterator without it, as a DataLoader starts new "
+                        f"workers after a timeout. That thread ends when the call returns, "
+                        f"and what it loads is dropped",
+                        RuntimeWarning,
+                        stacklevel=caller_outside_nostall(),
+                    )
+                    self.thread = None
+                    return
                 raise PrefetchTimeoutError(
                     f"the previous iteration's producer thread {previous.name!r} is still inside "
-                    f"next(source) after timeout={timeout} s; a new iteration cannot start "
-                    f"until it returns, since two threads must not pull from one source",
+                    f"next(source){at} after timeout={timeout} s; a new iteration cannot start "
+                    f"until it returns, since two threads must not pull from one source"
+                    + ("" if stuck else "; raise timeout= if the source is slow but alive"),
                     timeout=timeout,
                     phase="inside next(source) for the previous iteration",
                     thread=previous.name,
                 )
             previous.join(POLL_S)
             waited += POLL_S
+
+    def let_go_of_stuck(self) -> bool:
+        """Interrupt the producer a timeout was raised on, and its stuck loading threads.
+
+        Each ends at its next Python step (a call stuck in C: when it returns), dropping what
+        it loads; the loading pool counts them no more. Returns whether there was one.
+        """
+        previous, name, self.timed_out = self.thread, self.timed_out, None
+        if previous is None or name != previous.name or not previous.is_alive():
+            return False
+        _exit.interrupt(previous)
+        if self.epochs.pool is not None:
+            self.epochs.pool.abandon()
+        return True
 
     def carry_over(self, channel: Channel) -> bool:
         """Move batches a stopped pass of a one-shot source fetched and nobody took to ``channel``.

@@ -30,6 +30,7 @@ from ._source_checks import (
     warn_about_epochs,
     warn_inexact_resume,
 )
+from ._stacks import stuck_at
 from ._staging import Staging, staging_for
 from ._threads import check_threadable
 
@@ -37,6 +38,9 @@ T = TypeVar("T")
 
 #: How long close() waits for a producer that is inside the source's __next__ (seconds).
 CLOSE_JOIN_S = 5.0
+
+#: How long ``close()`` waits for a producer stuck past a timeout, once interrupted (seconds).
+STUCK_JOIN_S = 0.5
 
 
 def prefetch(
@@ -419,10 +423,14 @@ class Prefetcher(Generic[T]):
             active._stop("the Prefetcher was closed")
         lineage.active = None
         lineage.discard_ahead()
-        if not join_quietly(lineage.thread, CLOSE_JOIN_S) and lineage.thread is not None:
+        # A producer stuck past a timeout is interrupted, and not waited for as long.
+        wait = STUCK_JOIN_S if lineage.let_go_of_stuck() else CLOSE_JOIN_S
+        if not join_quietly(lineage.thread, wait) and lineage.thread is not None:
+            where = stuck_at(lineage.thread)
+            at = f" ({where})" if str(where) else ""
             warnings.warn(
                 f"nostall: producer thread {lineage.thread.name!r} is still inside the source's "
-                f"__next__ after close() waited {CLOSE_JOIN_S} s; it will end when that returns",
+                f"__next__{at} after close() waited {wait:g} s; it will end when that returns",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -26,6 +26,7 @@ from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
 from ._exit import track, wind_down
+from ._stacks import stuck_at
 from ._staging import Staged, Staging
 from ._torch_compat import dead_workers_behind
 
@@ -75,7 +76,7 @@ class Puller:
     ) -> None:
         self.channel = channel
         me = weakref.ref(self)  # not self: no cycle keeps a dropped channel's batches alive
-        channel.phase = lambda: "ended" if (puller := me()) is None else puller.phase
+        channel.phase = lambda: "ended" if (puller := me()) is None else puller.doing()
         self.staging = staging
         self.epochs = epochs
         # A threaded epoch starts batches ahead only into this channel's free slots.
@@ -211,6 +212,16 @@ class Puller:
             on_first, self.on_first_batch = self.on_first_batch, None
             on_first(staged)
         return self._with_state(BATCH, staged, epoch, lambda: epochs.batch_state(epoch), hook)
+
+    def doing(self) -> str:
+        """What the producer does now and, inside the source, where (for messages)."""
+        phase = self.phase
+        if not phase.startswith("next(source)"):
+            return phase
+        waiting_on = getattr(self.batches, "waiting_on", None)  # a threaded epoch's sample
+        where = waiting_on() if callable(waiting_on) else ""
+        where = where or str(stuck_at(self.channel.thread))
+        return f"{phase}: {where}" if where else phase
 
     def _mark_drawn(self, epoch: int) -> None:
         """Record the sampler's epoch marks an order was drawn with (STALE if they moved)."""

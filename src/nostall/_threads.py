@@ -43,10 +43,12 @@ import collections
 import contextlib
 import random
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -60,11 +62,15 @@ from ._device import caller_outside_nostall
 from ._exceptions import add_note
 from ._exit import track
 from ._fabric import is_fabric_loader, threads_refusal
+from ._stacks import short, stuck_at
 from ._torch_compat import auto_collation, index_sampler, pinning_like
 from ._transformers import is_trainer_seed_worker
 
 #: Seconds a loading thread waits for work before it ends.
 IDLE_S = 0.2
+
+#: Seconds between two looks at a sample that has not returned (its timeout, an exit).
+POLL_S = 0.1
 
 _local = threading.local()
 _original_get_worker_info = torch.utils.data.get_worker_info
@@ -229,10 +235,14 @@ class Pool:
         self.live = 0
         self.free_ids = list(range(size))
         self.warned = False  # about a thread the OS refused
+        #: The thread running each task now, and its worker id.
+        self.running: dict[Future[Any], tuple[threading.Thread, int]] = {}
+        #: Threads :meth:`abandon` stopped counting: each ends once its task returns.
+        self.abandoned: set[threading.Thread] = set()
 
-    def submit(self, task: Callable[[int], Any]) -> Future[Any]:
-        """Queue ``task(worker_id)``; return its future."""
-        future: Future[Any] = Future()
+    def submit(self, task: Callable[[int], Any], future: Future[Any] | None = None) -> Future[Any]:
+        """Queue ``task(worker_id)``; return its future (``future``, or a new one)."""
+        future = Future() if future is None else future
         with self.lock:
             self.tasks.append((future, task))
             if self.live < self.size:
@@ -273,8 +283,12 @@ class Pool:
         future.set_exception(error)
 
     def _run(self, worker: int) -> None:
+        me = threading.current_thread()
         while True:
             with self.lock:
+                if me in self.abandoned:
+                    self.abandoned.discard(me)
+                    return  # abandoned while it ran a task: no longer counted, takes no more
                 if not self.tasks and not _exit.exiting.is_set():
                     self.work.wait(IDLE_S)
                 if not self.tasks or _exit.exiting.is_set():  # at exit: no new work
@@ -283,6 +297,7 @@ class Pool:
                     self.free_ids.sort()
                     return
                 future, task = self.tasks.popleft()
+                self.running[future] = (me, worker)
             if future.set_running_or_notify_cancel():
                 try:
                     with self.context():
@@ -290,6 +305,35 @@ class Pool:
                     future.set_result(result)
                 except BaseException as e:
                     future.set_exception(e)
+            with self.lock:
+                self.running.pop(future, None)
+
+    def abandon(self, future: Future[Any] | None = None) -> list[threading.Thread]:
+        """Stop counting the thread running ``future`` (every running one if None).
+
+        For threads stuck in a sample: each is interrupted at its next Python step (see
+        ``_exit.interrupt``; a call stuck in C gets it when it returns), and ends there without
+        taking another task; its slot goes to a new thread. Returns the threads abandoned.
+        """
+        with self.lock:
+            futures = list(self.running) if future is None else [future]
+            stuck = [self.running.pop(f) for f in futures if f in self.running]
+            for thread, worker in stuck:
+                self.abandoned.add(thread)
+                self.live -= 1
+                self.free_ids.append(worker)
+            self.free_ids.sort()
+        for thread, _ in stuck:
+            _exit.interrupt(thread)
+        return [thread for thread, _ in stuck]
+
+
+class _Sample(Future[Any]):
+    """The future of one sample, which knows the sample it loads (for messages)."""
+
+    def __init__(self, index: Any) -> None:
+        super().__init__()
+        self.sample = f"dataset[{short(index)}]"
 
 
 class ThreadedEpoch(Iterator[Any]):
@@ -328,6 +372,10 @@ class ThreadedEpoch(Iterator[Any]):
         #: Batches in the epoch, when the sampler says (the look-ahead stops there).
         self.length = first_batch + len(sampler) if hasattr(sampler, "__len__") else None
         self.exhausted = False
+        #: The loader's own ``timeout`` (seconds a sample may take), as its workers apply it.
+        self.timeout = float(loader.timeout) if loader.timeout else None
+        #: The sample ``__next__`` waits for now, and what it is; for timeout messages.
+        self.waiting: tuple[Future[Any], str] | None = None
         self.dropped = threading.Event()  # the epoch was let go: skip its queued work
         weakref.finalize(self, self.dropped.set)
 
@@ -341,12 +389,49 @@ class ThreadedEpoch(Iterator[Any]):
         ):
             self._start_next()
         futures = self.pending.popleft()
-        samples = [f.result() for f in futures]  # the first failed sample's error, if any
+        samples = [self._result(f) for f in futures]  # the first failed sample's error, if any
         if self.auto and self.getitems is None:
             batch = self.collate(samples)
         else:
             batch = self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
         return batch if self.pin is None else self.pin(batch)
+
+    def _result(self, future: Future[Any]) -> Any:
+        """``future``'s sample, waited for in slices (an exit interrupt gets through).
+
+        Raises:
+            RuntimeError: the loader's ``timeout`` passed first, as a DataLoader's workers
+                raise it; the sample is named, and the epoch goes on with the next batch.
+        """
+        if not future.done():
+            start = time.monotonic()
+            self.waiting = (future, getattr(future, "sample", "a sample"))
+            try:
+                while not futures_wait([future], POLL_S).done:
+                    if self.timeout is not None and time.monotonic() - start >= self.timeout:
+                        what = self.waiting_on()
+                        self.pool.abandon(future)  # its thread no longer holds a slot
+                        raise RuntimeError(
+                            f"DataLoader timed out after {self.timeout:g} seconds: "
+                            f"{what} has not returned (the DataLoader's "
+                            f"timeout=, applied to each sample by nostall's loading threads)"
+                        )
+            finally:
+                self.waiting = None
+        return future.result()
+
+    def waiting_on(self) -> str:
+        """What ``__next__`` waits for now: the sample, its thread and line; '' if nothing."""
+        waiting = self.waiting
+        if waiting is None:
+            return ""
+        future, sample = waiting
+        running = self.pool.running.get(future)
+        if running is None:
+            return f"{sample} (not started: every loading thread is busy)"
+        thread = running[0]
+        line = stuck_at(thread).line
+        return f"{sample} in {thread.name!r}" + (f" at {line}" if line else "")
 
     def _start_next(self) -> bool:
         """Queue the next batch's samples; False at the end of the sampler."""
@@ -402,10 +487,10 @@ class ThreadedEpoch(Iterator[Any]):
                 _local.info = None
 
         if self.inline():
-            done: Future[Any] = Future()
+            done: Future[Any] = _Sample(index)
             try:
                 done.set_result(task(0))
             except BaseException as e:
                 done.set_exception(e)
             return done
-        return self.pool.submit(task)
+        return self.pool.submit(task, _Sample(index))
