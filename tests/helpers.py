@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.data
 
 
 def nostall_threads() -> list[threading.Thread]:
@@ -165,6 +166,47 @@ def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     result = fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before, result
+
+
+class SqliteRows(torch.utils.data.Dataset[torch.Tensor]):
+    """A map dataset over an sqlite3 connection opened in ``__init__``.
+
+    sqlite3 refuses a connection in any thread but the one that made it, so every sample
+    loaded in another thread raises ``sqlite3.ProgrammingError``.
+    """
+
+    def __init__(self, n: int = 64) -> None:
+        import sqlite3
+
+        self.connection = sqlite3.connect(":memory:")
+        self.connection.execute("create table rows (i integer, x real)")
+        rows = [(i, i / 2) for i in range(n)]
+        self.connection.executemany("insert into rows values (?, ?)", rows)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        (x,) = self.connection.execute("select x from rows where i = ?", (i,)).fetchone()
+        return torch.tensor([x])
+
+
+def sqlite_loader(
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
+) -> torch.utils.data.DataLoader[torch.Tensor]:
+    """A factory for ``tune`` and the doctor: a DataLoader over a fresh :class:`SqliteRows`."""
+    return torch.utils.data.DataLoader(
+        SqliteRows(),
+        batch_size=4,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+    )
 
 
 class CountingTransform:

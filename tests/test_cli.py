@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,3 +217,47 @@ def test_python_dash_m() -> None:
     )
     assert 0 == done.returncode
     assert done.stdout.startswith("nostall ")
+
+
+THREAD_BOUND_LOADER = """
+import sqlite3
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Rows(Dataset):
+    def __init__(self):
+        self.connection = sqlite3.connect(":memory:")  # usable in this thread only
+        self.connection.execute("create table rows (i integer)")
+        self.connection.executemany("insert into rows values (?)", [(i,) for i in range(64)])
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        row = self.connection.execute("select i from rows where i = ?", (i,)).fetchone()
+        return torch.tensor(row)
+
+def make_loader(num_workers=0):
+    return DataLoader(Rows(), batch_size=4, num_workers=num_workers)
+"""
+
+
+def test_doctor_on_a_dataset_bound_to_its_thread_says_why_in_one_line(tmp_path: Path) -> None:
+    """The real command: exit status 2 and one line naming the thread and the fix, no traceback."""
+    import nostall
+
+    (tmp_path / "rows_train.py").write_text(THREAD_BOUND_LOADER)
+    env = {**os.environ, "PYTHONPATH": str(Path(nostall.__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "nostall", "doctor", "rows_train:make_loader", "--device", "cpu",
+         "--no-progress", "--repeats", "1", "--max-batches", "20"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert 2 == done.returncode, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert 1 == len(lines), done.stderr[-3000:]
+    assert lines[0].startswith(
+        "nostall doctor: error: the loader that make_loader() builds loads in this thread, "
+        "but raised ProgrammingError"
+    )
+    assert "check_same_thread=False" in lines[0]

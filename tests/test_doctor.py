@@ -85,6 +85,24 @@ def halve(batch):
 
 def failing_transform(batch):
     raise ValueError("bad transform")
+
+class SqliteRows(Dataset):
+    # An sqlite3 connection opened in __init__: it works only in the thread that made it.
+    def __init__(self):
+        import sqlite3
+        self.connection = sqlite3.connect(":memory:")
+        self.connection.execute("create table rows (i integer)")
+        self.connection.executemany("insert into rows values (?)", [(i,) for i in range(64)])
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        row = self.connection.execute("select i from rows where i = ?", (i,)).fetchone()
+        return torch.tensor(row)
+
+def make_sqlite_loader(num_workers=0):
+    return DataLoader(SqliteRows(), batch_size=4, num_workers=num_workers)
 """
 
 
@@ -515,6 +533,22 @@ def test_a_loader_with_nothing_to_time_is_one_line_and_status_two(
     assert len(lines) == 1
     assert lines[0].startswith("nostall doctor: error: ")
     assert message in lines[0]
+
+
+def test_a_dataset_bound_to_its_thread_is_one_line_and_status_two(
+    user_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Loads in the plain loop, not in nostall's thread: the reason and the fix, no traceback."""
+    argv = ["doctor", f"{user_module}:make_sqlite_loader", "--device", "cpu", "--no-progress"]
+    assert 2 == main([*argv, "--repeats", "1", "--max-batches", "20"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert 1 == len(lines), lines
+    assert lines[0].startswith(
+        "nostall doctor: error: the loader that make_sqlite_loader() builds loads in this "
+        "thread, but raised ProgrammingError (SQLite objects created in a thread"
+    )
+    assert "works only in the thread that built it" in lines[0]
+    assert "check_same_thread=False" in lines[0]
 
 
 @pytest.mark.parametrize(

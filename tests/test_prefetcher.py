@@ -18,6 +18,7 @@ from helpers import (
     CountingSource,
     MultiArgError,
     RaisingSource,
+    SqliteRows,
     Unmovable,
     assert_same_batches,
     nostall_threads,
@@ -273,6 +274,23 @@ def test_user_exception_arrives_itself_even_when_it_refuses_notes(error: Excepti
     with pytest.raises(type(error)) as info:
         list(nostall.prefetch(RaisingSource(2, error), "cpu"))
     assert info.value is error
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_a_dataset_bound_to_its_thread_is_told_the_fix(threads: int | None) -> None:
+    """sqlite3's own error, with a note: nostall's thread met it, and what to do instead."""
+    import sqlite3
+
+    # timeout= makes the producer pull every batch (no hand-off in this thread): the first
+    # batch already meets the connection in another thread.
+    p = nostall.prefetch(DataLoader(SqliteRows(), batch_size=4), "cpu", threads=threads, timeout=60)
+    with pytest.raises(sqlite3.ProgrammingError, match="same thread") as info:
+        list(p)
+    notes = "\n".join(info.value.__notes__)
+    assert "used outside the thread that made it" in notes
+    for fix in ("threading.local()", "check_same_thread=False", "num_workers=N"):
+        assert fix in notes
+    p.close()
 
 
 # -- row 6: errors before the first batch -------------------------------------------------------

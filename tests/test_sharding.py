@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import assert_torchrun_finished
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 import nostall
 from nostall import _sharding, _source_checks
+
+#: Where the nostall under test lives: the ranks import the same one.
+SRC = Path(nostall.__file__).resolve().parent.parent
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
@@ -115,3 +123,97 @@ def test_shard_true_refuses_what_it_cannot_split() -> None:
         nostall.prefetch(DataLoader(list(range(4)), sampler=weighted), shard=True)
     with pytest.raises(TypeError, match=r"shard=\.\.\.\) must be True, False or None"):
         nostall.prefetch(DataLoader(list(range(4))), shard="yes")  # type: ignore[arg-type]
+
+
+# -- the process group comes up after an epoch ran (a sanity pass first) -------------------------
+
+
+@pytest.mark.parametrize(("threads", "across_epochs"), [(None, False), (2, False), (None, True)])
+def test_epochs_after_the_group_came_up_are_sharded(
+    monkeypatch: pytest.MonkeyPatch, threads: int | None, across_epochs: bool
+) -> None:
+    """An epoch before init loads everything; each epoch set after it gets this rank's part."""
+    loader = DataLoader(list(range(21)), batch_size=4, shuffle=True)
+    p = nostall.prefetch(loader, "cpu", shard=True, threads=threads, across_epochs=across_epochs)
+    assert list(range(21)) == sorted(indices(p))  # no world yet: the whole loader
+    as_rank(monkeypatch, 1, 2)  # init_process_group
+    for epoch in (1, 2):
+        p.set_epoch(epoch)
+        assert lightning_like(loader, 1, 2, epoch) == indices(p)
+    p.close()
+
+
+def test_epoch_under_way_when_the_group_came_up_ends_unsharded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The epoch begun before init ends as it began; the next one is sharded, at epoch 1."""
+    loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    p = nostall.prefetch(loader, "cpu", shard=True)
+    it = iter(p)
+    first = next(it)
+    as_rank(monkeypatch, 0, 2)
+    assert 5 == len(p)  # the loader's length until this epoch ends
+    assert list(range(20)) == sorted(indices([first, *it]))
+    assert lightning_like(loader, 0, 2, 1) == indices(p)  # no set_epoch: nostall counted 1
+    p.close()
+
+
+def test_state_saved_once_the_group_came_up_resumes_the_shard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state saved between the unsharded epoch and the first sharded one resumes the latter."""
+    p = nostall.prefetch(DataLoader(list(range(20)), batch_size=4, shuffle=True), shard=True)
+    indices(p)
+    as_rank(monkeypatch, 0, 2)
+    state = p.state_dict()  # before epoch 1, which nostall counted (no set_epoch)
+    expected = indices(p)
+    p.close()
+    again = nostall.prefetch(DataLoader(list(range(20)), batch_size=4, shuffle=True), shard=True)
+    again.load_state_dict(state)
+    assert expected == indices(again)
+    again.close()
+
+
+SANITY_THEN_DDP = """
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader
+import nostall
+loader = DataLoader(list(range(40)), batch_size=4, shuffle=True,
+                    generator=torch.Generator().manual_seed(0))
+batches = nostall.prefetch(loader, "cpu", shard=True, threads=2)
+seen = {0: [int(x) for b in batches for x in b]}  # a sanity pass, before the process group
+dist.init_process_group("gloo")
+for epoch in (1, 2):
+    batches.set_epoch(epoch)
+    seen[epoch] = [int(x) for b in batches for x in b]
+out = [None] * dist.get_world_size()
+dist.all_gather_object(out, seen)
+if dist.get_rank() == 0:
+    print("SEEN", out)
+rank = dist.get_rank()
+dist.destroy_process_group()
+print(f"rank {rank}: done", flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_two_gloo_ranks_shard_every_epoch_after_init(tmp_path: Path) -> None:
+    """torchrun, two ranks: the sanity epoch before init loads all; then disjoint halves."""
+    script = tmp_path / "run.py"
+    script.write_text(SANITY_THEN_DDP)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True, text=True, timeout=150, env=env, check=False,
+    )  # fmt: skip
+    assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
+    line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
+    ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0
+    for rank in ranks:
+        assert list(range(40)) == sorted(rank[0])
+    for epoch in (1, 2):
+        first, second = (set(r[epoch]) for r in ranks)
+        assert (20, 20) == (len(first), len(second))
+        assert set(range(40)) == first | second

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SqliteRows
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
@@ -138,6 +139,17 @@ def test_an_error_in_the_dataset_is_a_failed_check_not_an_exception() -> None:
     result = check_thread_safety(lambda: DataLoader(Fails(), batch_size=8), 4)
     assert ("failed", False) == (result.verdict, result.unsafe)
     assert "not checked: loading raised KeyError" in result.describe()
+
+
+def test_a_dataset_that_raises_in_every_loading_thread_is_unsafe() -> None:
+    """sqlite3 in __init__: one loading thread alone raises, this thread loads: "raised"."""
+    result = check_thread_safety(lambda: DataLoader(SqliteRows(), batch_size=8), 4)
+    assert ("raised", True) == (result.verdict, result.unsafe)
+    assert result.why.startswith("ProgrammingError: SQLite objects created in a thread")
+    line = result.describe()
+    assert "NOT loadable by threads: one loading thread alone raised ProgrammingError" in line
+    assert "works only in the thread that built it" in line
+    assert "check_same_thread=False" in line
 
 
 class BorrowedOnce(Squares):

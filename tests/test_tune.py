@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
@@ -210,6 +211,19 @@ def test_an_error_in_the_users_dataset_reaches_the_caller_itself() -> None:
         nostall.tune(lambda: DataLoader(Broken(), batch_size=2), max_batches=20, device="cpu")
     text = "".join(traceback.format_exception(info.type, info.value, info.tb))
     assert "in decode_sample" in text
+
+
+def test_a_dataset_bound_to_its_thread_is_refused_with_the_fix() -> None:
+    """Loads here, raises in nostall's thread: one ValueError naming the fix, sqlite3's as cause."""
+    import sqlite3
+
+    with pytest.raises(ValueError, match="works only in the thread that built it") as info:
+        nostall.tune(sqlite_loader, max_batches=40, device="cpu")
+    assert "sqlite_loader() builds loads in this thread, but raised ProgrammingError" in str(
+        info.value
+    )
+    assert "check_same_thread=False" in str(info.value)
+    assert isinstance(info.value.__cause__, sqlite3.ProgrammingError)
 
 
 def test_tune_reports_each_trial_and_applies_the_transform() -> None:

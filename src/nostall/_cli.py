@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 _EXIT_STATUS = (
     "exit status: 0 done; 2 bad usage (a flag, a MODULE:FUNC that cannot be loaded, a device "
-    "that is not here); an exception raised by your own code is shown with its traceback (1)"
+    "that is not here, a loader that cannot be measured); an exception raised by your own "
+    "code is shown with its traceback (1)"
 )
 
 

@@ -267,8 +267,10 @@ def diagnose(
     propagate unchanged, with their tracebacks: they are the user's code failing.
 
     Raises:
-        ConfigurationError: (a ``ValueError``) the factory does not return an iterable, or its
-            loader yields fewer than 3 batches (nothing to time).
+        ConfigurationError: (a ``ValueError``) the factory does not return an iterable, its
+            loader yields fewer than 3 batches (nothing to time), or it loads only in the
+            thread that built it, so that nostall's background thread cannot load it (see
+            :func:`nostall.tune`).
         TypeError: ``factory``, ``step``, ``transform`` or ``progress`` is not callable, a
             count not an int; ``device`` of a type that names no device.
         ValueError: ``max_batches`` or ``repeats`` < 1; ``device`` names no device.

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 
+from ._thread_bound import says_thread_bound, thread_bound_note
+
 
 class NostallError(Exception):
     """Base class of every exception nostall raises itself."""
@@ -92,11 +94,12 @@ class ConfigurationError(NostallError, ValueError):
     """What was configured on the ``nostall`` command line cannot work (private, not exported).
 
     A ``MODULE:FUNC`` spec that cannot be imported, found or called, a factory that does not
-    build an iterable, a ``--device`` that names no device here, bench options the bench
-    refuses. The command line reports these, and only these, as usage errors (one line, exit
-    status 2): any other exception, a ``ValueError`` from the user's own code included, keeps
-    its traceback. A ``ValueError`` too, so that Python callers of the functions that raise it
-    (``load_callable``, ``diagnose``) catch it as they always have.
+    build an iterable (or builds a loader that cannot be measured: no batches, or one that
+    loads only in the thread that built it), a ``--device`` that names no device here, bench
+    options the bench refuses. The command line reports these, and only these, as usage
+    errors (one line, exit status 2): any other exception, a ``ValueError`` from the user's
+    own code included, keeps its traceback. A ``ValueError`` too, so that Python callers of
+    the functions that raise it (``load_callable``, ``diagnose``) catch it as they always have.
     """
 
 
@@ -127,6 +130,13 @@ def is_noted(error: BaseException) -> bool:
 
 
 def noted(error: BaseException, where: str) -> BaseException:
-    """``error`` itself, noted with where it happened (it reaches the user unwrapped)."""
+    """``error`` itself, noted with where it happened (it reaches the user unwrapped).
+
+    An error whose message says it was raised outside the thread that made some object (an
+    sqlite3 connection made in the dataset's ``__init__``) gets a second note: why nostall's
+    threads meet it, and the fix (see :mod:`nostall._thread_bound`).
+    """
     add_note(error, f"nostall: {where}; re-raised in the consumer after the batches before it")
+    if says_thread_bound(error):
+        add_note(error, thread_bound_note())
     return error

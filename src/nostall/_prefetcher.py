@@ -256,14 +256,37 @@ class Prefetcher(Generic[T]):
         """With ``shard=True``, switch to a sharded copy once ``torch.distributed`` is up.
 
         Lazy, because frameworks initialise the process group after the prefetcher is built
-        (Lightning in ``Trainer.fit``); done at most once, and never after an epoch opened.
+        (Lightning in ``Trainer.fit``), and a loop may run an epoch before it does (a sanity
+        pass, with no world to split for: it loads everything). Checked again at each epoch's
+        start (``iter()``, ``set_epoch``) and wherever the loader is read (``len()``,
+        ``.sampler``), so every epoch that opens once the group is up is sharded; done at most
+        once. Never while an epoch is under way: one started, or resumed from a state loaded
+        for the whole loader, ends as it began. An epoch opened ahead (``across_epochs``) and
+        not yet handed out is dropped, as a ``set_epoch`` drops it.
+
+        After the switch the copy's sampler is at the prefetcher's :attr:`epoch` (as
+        ``set_epoch`` would have left it), and a state saved before the next epoch's first
+        batch describes the copy.
         """
         if not self.__dict__.get("_shard"):
             return
-        sharded = sharded_copy(self._source, started=self._lineage.thread is not None)
-        if sharded is not None:
-            object.__setattr__(self, "_source", sharded)
-            self._lineage.epochs.source = sharded
+        lineage = self._lineage
+        active = lineage.active_iteration()
+        if (active is not None and active.running) or lineage.epochs.resume is not None:
+            return
+        sharded = sharded_copy(self._source)
+        if sharded is None:
+            return
+        lineage.discard_ahead()
+        # The previous epoch's producer may still be inside the loader's __next__ (a stopped
+        # pass): once it let go, nothing reads the source the copy replaces.
+        lineage.wait_for_previous_producer(self._timeout)
+        object.__setattr__(self, "_source", sharded)
+        epochs = lineage.epochs
+        epochs.source = sharded
+        _forward_set_epoch(sharded, lineage.epoch)
+        lineage.marks = epochs.marks()  # set by nostall: not an outside set_epoch
+        lineage.at = lineage.at.moved_to(lineage.epoch, keep_source_state=False, keep_loaded=False)
 
     @property
     def closed(self) -> bool:
@@ -298,12 +321,12 @@ class Prefetcher(Generic[T]):
                 "iterate again"
             )
         check_not_forked(self._lineage)
-        self._resolve_shard()
         lineage = self._lineage
         previous = lineage.active_iteration()
         if previous is not None:
             previous._finish_if_complete()
             previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
+        self._resolve_shard()  # once the previous epoch ended: never mid-epoch
         iteration: PrefetchIterator[T] = PrefetchIterator(self)
         lineage.active = weakref.ref(iteration)
         return iteration
@@ -382,6 +405,7 @@ class Prefetcher(Generic[T]):
         Batches fetched ahead are not counted. Save it with your checkpoint; give it to
         :meth:`load_state_dict` of a fresh prefetcher over an identically built source.
         """
+        self._resolve_shard()  # the next epoch's source, once it is sharded
         lineage = self._lineage
         return state_of(lineage.at, lineage.epochs)
 

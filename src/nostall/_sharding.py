@@ -119,14 +119,14 @@ def shard_loader(loader: DataLoader[Any], rank: int, world: int) -> DataLoader[A
     return copy_loader(loader, sampler=sampler, batch_sampler=batch_sampler)
 
 
-def sharded_copy(loader: object, *, started: bool) -> DataLoader[Any] | None:
+def sharded_copy(loader: object) -> DataLoader[Any] | None:
     """With ``shard=True``: ``loader``'s sharded copy once ``torch.distributed`` is up, else None.
 
-    None too when it is sharded already, or when an epoch ``started`` unsharded (switching now
-    would mix the two).
+    None too when it is sharded already. The caller decides when a copy may replace the loader
+    (between epochs, never during one).
     """
     world = distributed_world()
-    if world is None or started or is_sharded(loader):
+    if world is None or is_sharded(loader):
         return None
     return shard_loader(loader, *world)  # type: ignore[arg-type]
 

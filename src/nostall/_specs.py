@@ -82,6 +82,7 @@ def checked_factory(factory: Factory) -> Factory:
         return loader
 
     build.__signature__ = _signature(factory)  # type: ignore[attr-defined]
+    build.__name__ = getattr(factory, "__name__", build.__name__)  # as messages name it
     return build
 
 

@@ -10,7 +10,11 @@ first samples (at most :data:`MAX_SAMPLES`), batched and collated as the loader 
    ``threads=`` gives), the global generators (torch's, Python's ``random``, NumPy's)
    watched: a dataset or collate_fn that draws from them, or whose samples differ between the
    two loads (a generator of its own), cannot be checked (``random``): a difference under
-   threads would not say whether threads caused it;
+   threads would not say whether threads caused it. If one loading thread alone raises, the
+   samples are loaded once more in the calling thread, as the plain loop loads them: loaded
+   there, the dataset works only in the thread that built it (``raised``, ``thread_bound``:
+   an sqlite3 connection made in ``__init__``, say); raising there too, it is broken in
+   itself (``failed``: the trials show its error);
 2. with ``threads=N``, each pass from a loader freshly built (its caches empty, so that
    filling them races too), the global generators put back first, each call started at once
    with the other threads' (a barrier) and the interpreter switching threads every few
@@ -42,6 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ._global_draws import Snapshot, moved, snapshot, unwatched
 from ._prefetcher import prefetch
+from ._thread_bound import FIX
 from ._torch_compat import auto_collation
 
 #: The most samples the check loads per pass (four passes; one kept).
@@ -76,6 +81,9 @@ class ThreadSafety:
     #: For "random": the global generators the one-thread load drew from (``tune`` does not
     #: try threads then: they would change the draws, see :mod:`nostall._global_draws`).
     drew: tuple[str, ...] = ()
+    #: For "raised": one loading thread alone raised, where the calling thread loaded the same
+    #: samples: the dataset works only in the thread that built it (not a race between threads).
+    thread_bound: bool = False
 
     @property
     def unsafe(self) -> bool:
@@ -90,6 +98,14 @@ class ThreadSafety:
                 f"thread safety: {n} threads, starting their calls together, loaded the same "
                 f"{self.samples} samples as one thread, {self.passes} times over (a check, "
                 f"not a proof: a rare race can still escape it)."
+            )
+        if self.thread_bound:
+            return (
+                f"thread safety: NOT loadable by threads: one loading thread alone raised "
+                f"{self.why.rstrip('.')}, where this thread loaded the same samples, so threads "
+                f"were not tried. The dataset holds something that works only in the thread "
+                f"that built it (an sqlite3 connection made in __init__, say). To load it with "
+                f"threads, {FIX}."
             )
         if self.unsafe:
             if self.differed is not None:
@@ -125,7 +141,8 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
 
     See the module docstring. The samples are batched and collated as the loader does, at most
     :data:`MAX_SAMPLES` of them in at least two batches. Never raises for the dataset's errors:
-    an error with one thread makes a "failed" check (the trials show the error itself).
+    an error with one loading thread makes a "raised" check where the calling thread loads the
+    samples, else a "failed" one (the trials show the error itself).
     """
     loader = build()
     try:
@@ -136,10 +153,8 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
     if batch_size is not None:
         batch_size = max(1, min(batch_size, math.ceil(count / 2)))  # two batches at least
 
-    def load(threads: int, fresh: bool = True) -> Generator[Any, None, None]:
-        source = build() if fresh else loader  # a fresh dataset: its caches empty
-        dataset = source.dataset if threads == 1 else _in_step(source.dataset, threads)
-        check = DataLoader(
+    def checking(source: DataLoader[Any], dataset: Any) -> DataLoader[Any]:
+        return DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=range(count),
@@ -148,10 +163,19 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
             # base seed), the same in every pass, and not from the global generator.
             generator=torch.Generator().manual_seed(0),
         )
+
+    def load(threads: int, fresh: bool = True) -> Generator[Any, None, None]:
+        source = build() if fresh else loader  # a fresh dataset: its caches empty
+        dataset = source.dataset if threads == 1 else _in_step(source.dataset, threads)
+        check = checking(source, dataset)
         # Deep enough that every thread has a sample to load, one sample per batch too.
         depth = max(2, 2 * threads)
         with prefetch(check, "cpu", threads=threads, depth=depth, timeout=TIMEOUT_S) as batches:
             yield from batches
+
+    def load_here() -> Iterator[Any]:
+        source = build()  # built in this thread, and loaded in it: no nostall thread
+        return iter(checking(source, source.dataset))
 
     with unwatched():  # each load judges the global generators itself
         return _check(
@@ -160,6 +184,7 @@ def check_thread_safety(build: Callable[[], DataLoader[Any]], threads: int) -> T
             threads=threads,
             count=count,
             batch_size=batch_size,
+            loads_here=load_here,
         )
 
 
@@ -169,8 +194,12 @@ def _check(
     threads: int,
     count: int,
     batch_size: int | None,
+    loads_here: Callable[[], Iterator[Any]],
 ) -> ThreadSafety:
-    """:func:`check_thread_safety` once its loads are set up."""
+    """:func:`check_thread_safety` once its loads are set up.
+
+    ``loads_here()`` loads the samples in the calling thread, without a loading thread.
+    """
 
     def inconclusive(why: str, drew: tuple[str, ...] = ()) -> ThreadSafety:
         return ThreadSafety("random", threads, count, why=why, drew=drew)
@@ -194,6 +223,9 @@ def _check(
                     "dataset's own, or samples that cannot be compared)"
                 )
     except Exception as e:
+        if _loads(loads_here):  # only a loading thread raises: bound to the building thread
+            why = f"{type(e).__name__}: {e}"[:200]
+            return ThreadSafety("raised", threads, count, why=why, thread_bound=True)
         return ThreadSafety("failed", threads, count, why=f"loading raised {type(e).__name__}")
     deadline = time.monotonic() + BUDGET_S
     passes = 0
@@ -214,6 +246,17 @@ def _check(
             where = (first, min(first + size, count) - 1)
             return ThreadSafety("differed", threads, count, differed=where)
     return ThreadSafety("agreed", threads, count, passes=passes)
+
+
+def _loads(loads: Callable[[], Iterator[Any]]) -> bool:
+    """Whether ``loads()`` runs through without an error (the global generators put back)."""
+    try:
+        with _global_generators():
+            for _ in loads():
+                pass
+    except Exception:
+        return False
+    return True
 
 
 class _InStep(Dataset[Any]):

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import inspect
 import os
+import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_device
+from ._exceptions import ConfigurationError
 from ._global_draws import draws_of, unreported
 from ._prefetcher import prefetch
+from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threads import check_threadable
 from ._timing import synchronize
@@ -200,7 +205,9 @@ def tune(
     max_batches``, with one exception: the first trial always runs (a result needs one): a
     ``max_batches`` below ``batches_per_trial + 2`` (its start-up and timed batches) spends
     that many anyway. The thread-safety check's samples (four passes, each over a loader
-    freshly built) are not counted in ``batches_spent``.
+    freshly built) are not counted in ``batches_spent``, nor is the first batch pulled in
+    another thread before the first trial (a loader that works only in the thread that built
+    it is refused there: no setting with nostall could run).
 
     Args:
         factory: builds the loader; see the module docstring.
@@ -219,6 +226,11 @@ def tune(
         TypeError: an argument of the wrong type (``factory`` or ``step`` not callable, a count
             that is not an int, a ``threshold`` that is not a number).
         ValueError: a count below its minimum, a negative ``threshold``.
+        ConfigurationError: (a ``ValueError``) the loader loads in this thread but raises in
+            another, where nostall.prefetch loads it: its dataset works only in the thread that
+            built it (an sqlite3 connection made in ``__init__``, say). Checked before the first
+            trial on its first batch; the dataset's own error is the ``__cause__``, the
+            message says the fix.
     """
     _arguments.function(
         "nostall.tune",
@@ -271,6 +283,7 @@ def tune(
     if "num_workers" not in knobs:
         workers_choices = [None]
     best = Setting(workers_choices[0], 2)
+    _refuse_if_thread_bound(factory, Setting(workers_choices[0], None), dev)
     best_rate = trial(best)
 
     def climb(candidates: Iterable[Setting]) -> None:
@@ -321,6 +334,51 @@ def tune(
         workers, threads = best.num_workers, best.threads
         climb(Setting(workers, 2**k, threads) for k in range(2, 6) if 2**k <= depth_limit)
     return TuneResult(best, best_rate, curve, spent, safety, drew)
+
+
+def _refuse_if_thread_bound(factory: Factory, setting: Setting, device: torch.device) -> None:
+    """Refuse, before any trial, a loader whose dataset works only in the thread that built it.
+
+    A prefetcher's producer thread calls the dataset of a loader without workers. The trials
+    cannot be relied on to show such a dataset: while the producer is idle the loop pulls a
+    batch itself, so a trial may load every batch in this thread, and a setting that fails in
+    the user's run would be recommended. So the first batch of ``setting``'s loader is pulled
+    in another thread first; where that raises and a fresh loader's first batch loads in this
+    thread, no setting with nostall can run. Anything else is left to the trials (an error in
+    this thread too is the user's code failing, shown by them with its traceback).
+
+    Raises:
+        ConfigurationError: the loader works only in this thread (its error is the cause).
+    """
+    loader = build(factory, setting, device)
+    if isinstance(loader, DataLoader) and loader.num_workers > 0:
+        return  # worker processes load it, never a thread of this process
+    raised: list[Exception] = []
+
+    def first_batch() -> None:
+        try:
+            next(iter(loader), None)
+        except Exception as e:
+            raised.append(e)
+
+    probe = threading.Thread(target=first_batch, name="nostall-tune-probe", daemon=True)
+    probe.start()
+    probe.join()
+    if not raised:
+        return
+    error = raised[0]
+    try:
+        next(iter(build(factory, setting, device)), None)
+    except Exception:
+        return  # it fails in this thread too
+    name = getattr(factory, "__name__", "the factory")
+    raise ConfigurationError(
+        f"the loader that {name}() builds loads in this thread, but raised "
+        f"{type(error).__name__} ({textwrap.shorten(str(error), 160)}) in another thread, "
+        f"where nostall.prefetch loads it: its dataset holds something that works only in the "
+        f"thread that built it (an sqlite3 connection made in __init__, say). To measure or "
+        f"prefetch it, {FIX}"
+    ) from error
 
 
 def _threadable(factory: Factory, device: torch.device) -> bool:
