@@ -419,12 +419,21 @@ def test_a_configuration_error_is_one_line_and_status_two(
     assert "Traceback" not in err
 
 
-def test_a_bad_device_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    """--device that names no device: one line and status 2, before the factory is imported."""
-    assert 2 == main(["doctor", "nope:missing", "--device", "nonsense", "--no-progress"])
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("nonsense", "device='nonsense' does not name a device"),
+        ("meta", "device='meta' holds no data"),
+    ],
+)
+def test_a_bad_device_is_a_usage_error(
+    device: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--device that names no device (or one without data): one line and status 2, at once."""
+    assert 2 == main(["doctor", "nope:missing", "--device", device, "--no-progress"])
     err = capsys.readouterr().err
     assert 1 == len(err.strip().splitlines()), err
-    assert "device='nonsense' does not name a device" in err
+    assert message in err
 
 
 def test_a_users_module_that_fails_to_import_keeps_its_traceback(
@@ -450,6 +459,7 @@ def test_a_users_module_that_fails_to_import_keeps_its_traceback(
         ({"repeats": 0}, ValueError, "diagnose(repeats=...) must be >= 1"),
         ({"repeats": 1.5}, TypeError, "diagnose(repeats=...) must be an int >= 1"),
         ({"transform": "x"}, TypeError, "diagnose(transform=...) must be a function or None"),
+        ({"device": "meta"}, ValueError, "device='meta' holds no data"),
     ],
 )
 def test_diagnose_checks_its_arguments(
@@ -457,7 +467,7 @@ def test_diagnose_checks_its_arguments(
 ) -> None:
     """Wrong types raise TypeError, wrong values ValueError, naming the argument."""
     with pytest.raises(error) as info:
-        diagnose(lambda: [], device="cpu", **kwargs)  # type: ignore[arg-type]
+        diagnose(lambda: [], **{"device": "cpu", **kwargs})  # type: ignore[arg-type]
     assert message in str(info.value)
 
 

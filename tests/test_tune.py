@@ -170,6 +170,7 @@ def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
         ({"threshold": float("nan")}, ValueError, "nostall.tune(threshold=...) must be"),
         ({"step": "train:step"}, TypeError, "nostall.tune(step=...) must be a function or None"),
         ({"device": "nonsense"}, ValueError, "device='nonsense' does not name a device"),
+        ({"device": "meta"}, ValueError, "device='meta' holds no data"),
     ],
 )
 def test_tune_checks_its_arguments(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _arguments
-from ._device import DeviceLike, resolve_device
+from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
 from ._specs import checked_factory
 from ._timing import synchronize
@@ -271,7 +271,8 @@ def diagnose(
             loader yields fewer than 3 batches (nothing to time).
         TypeError: ``factory``, ``step``, ``transform`` or ``progress`` is not callable, a
             count not an int; ``device`` of a type that names no device.
-        ValueError: ``max_batches`` or ``repeats`` < 1; ``device`` names no device.
+        ValueError: ``max_batches`` or ``repeats`` < 1; ``device`` names no device, or the meta
+            device (no data to measure).
         DeviceUnavailableError: ``device`` is not on this machine.
     """
     hint = "pass the function that builds your loader (make_loader, not make_loader())"
@@ -281,7 +282,7 @@ def diagnose(
     _arguments.integer("diagnose", "repeats", repeats, low=1, example=3)
     _arguments.function("diagnose", "transform", transform, optional=True, hint="e.g. a Normalize")
     _arguments.function("diagnose", "progress", progress, optional=True, hint="e.g. print")
-    dev = resolve_device(device)
+    dev = resolve_data_device(device)
     build = checked_factory(factory)
     total = 4 * repeats * (RUN_BATCHES + 2) + max_batches
     done = 0

@@ -21,7 +21,7 @@ import torch
 
 from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
-from ._device import DeviceLike, resolve_device
+from ._device import DeviceLike, resolve_data_device
 from ._global_draws import draws_of, unreported
 from ._prefetcher import prefetch
 from ._thread_safety import ThreadSafety, check_thread_safety
@@ -218,7 +218,7 @@ def tune(
     Raises:
         TypeError: an argument of the wrong type (``factory`` or ``step`` not callable, a count
             that is not an int, a ``threshold`` that is not a number).
-        ValueError: a count below its minimum, a negative ``threshold``.
+        ValueError: a count below its minimum, a negative ``threshold``, ``device='meta'``.
     """
     _arguments.function(
         "nostall.tune",
@@ -245,7 +245,7 @@ def tune(
     _arguments.function(
         "nostall.tune", "on_trial", on_trial, optional=True, hint="pass e.g. a logging function"
     )
-    dev = resolve_device(device)
+    dev = resolve_data_device(device)
     knobs = accepted_knobs(factory)
     cores = max_workers if max_workers is not None else (os.cpu_count() or 1)
     curve: list[tuple[Setting, float]] = []
