@@ -51,6 +51,12 @@ CONSTANT = 3
 def returns_int():
     return 42
 
+def returns_tensor(num_workers=0):
+    return torch.zeros(64, 16)
+
+def returns_string():
+    return "train.csv"
+
 def decode_sample(i):
     raise ValueError("bad sample")  # the user's own bug, met while the doctor measures
 
@@ -404,6 +410,8 @@ def test_a_value_error_in_user_code_keeps_its_traceback(
     [
         ("nope:missing", "cannot import module 'nope'"),
         ("{m}:returns_int", "returned an int, not an iterable loader"),
+        ("{m}:returns_tensor", "returned a Tensor, whose iteration yields its rows, not a loader"),
+        ("{m}:returns_string", "returned a str, whose iteration yields its characters"),
     ],
 )
 def test_a_configuration_error_is_one_line_and_status_two(
