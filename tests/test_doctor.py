@@ -320,6 +320,7 @@ def test_reports(user_module: str, tmp_path: Path) -> None:
     assert "<svg" in page
     assert "<script" not in page
     assert "http" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert [] == list(tmp_path.glob("*.nostall"))  # the write checks left nothing behind
 
 
 def test_without_a_step_the_bound_is_unknown(
@@ -540,6 +541,13 @@ def test_a_loader_with_nothing_to_time_is_one_line_and_status_two(
     [
         ("--json", "{tmp}/no/such/folder/d.json", "does not exist"),
         ("--html", "{tmp}", "is a folder"),
+        pytest.param(
+            "--json",
+            "/dev/full",
+            "/dev/full cannot be written (No space left on device)",
+            marks=pytest.mark.skipif(not Path("/dev/full").exists(), reason="Linux's /dev/full"),
+            id="dev-full",
+        ),
     ],
 )
 def test_output_paths_are_checked_before_measuring(
@@ -554,6 +562,7 @@ def test_output_paths_are_checked_before_measuring(
     argv = ["doctor", f"{user_module}:make_loader_that_refuses", flag, path.format(tmp=tmp_path)]
     assert 2 == main([*argv, "--device", "cpu", "--no-progress"])
     err = capsys.readouterr().err
+    assert 1 == len(err.strip().splitlines()), err
     assert message in err
     assert "no such split" not in err
 

@@ -11,7 +11,9 @@ import html
 import inspect
 import json
 import os
+import stat
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -427,8 +429,20 @@ def _step_rate(build: Factory, step: Step, device: Any, transform: Transform | N
 def check_output(path: str | None, flag: str) -> None:
     """Refuse an output path that cannot be written, before minutes of measuring.
 
+    Writing is tried, not guessed from permission bits (root passes those everywhere, and
+    ``/dev/full`` opens fine and fails only when written to):
+
+    * an existing file is opened for appending, without truncating it, and sent a write of
+      zero bytes: that changes nothing in a file (nor its time stamps) but fails where a real
+      write fails on a device (``/dev/full``: no space) or a read-only filesystem;
+    * a new file is tried as a temporary file beside it, one byte written and synced (a full
+      or read-only filesystem fails there), then removed: nothing is left behind;
+    * a named pipe or socket is not opened: opening a pipe waits for its reader.
+
+    A disk with only a little room left can still fill up before the report is written.
+
     Raises:
-        ConfigurationError: its folder does not exist, it is a folder, or it is not writable.
+        ConfigurationError: its folder does not exist, it is a folder, or writing it fails.
     """
     if not path:
         return
@@ -438,8 +452,26 @@ def check_output(path: str | None, flag: str) -> None:
         raise ConfigurationError(f"{flag} {path} is a folder; pass a file path")
     if not folder.is_dir():
         raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(target if target.exists() else folder, os.W_OK):
-        raise ConfigurationError(f"{flag} {path} cannot be written here (permission denied)")
+    try:
+        if not target.exists():
+            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".nostall", dir=folder)
+            try:
+                os.write(fd, b"\0")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        elif not stat.S_ISFIFO(mode := target.stat().st_mode) and not stat.S_ISSOCK(mode):
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+            try:
+                os.write(fd, b"")
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ConfigurationError(
+            f"{flag} {path} cannot be written ({e.strerror or e}); pass a path on a writable "
+            f"filesystem with room to spare"
+        ) from e
 
 
 def write_reports(diagnosis: Diagnosis, json_path: str | None, html_path: str | None) -> None:
