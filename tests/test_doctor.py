@@ -246,6 +246,20 @@ def test_the_diagnosis_says_whether_threads_or_processes_loaded_faster() -> None
     assert only_threads.threads_or_processes() is None  # num_workers=0, or another depth
 
 
+def test_the_diagnosis_says_when_threads_ran_slower_than_one_thread() -> None:
+    """Trivial samples (a TensorDataset): threads at 0.07x the serial loader, said plainly."""
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    diagnosis.search.curve += [(Setting(0, 2, 2), 7.0), (Setting(0, 2, 4), 5.0)]
+    assert (
+        "threads slower than one thread: the best, 2 loading threads, ran 7 samples/s, 0.07x "
+        "the 100 samples/s of num_workers=0 loading in one thread"
+    ) in diagnosis.summary()
+    assert "leave threads= out" in diagnosis.to_dict()["summary"]
+    close = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    close.search.curve += [(Setting(0, 2, 2), 90.0)]  # within one run's noise of 100
+    assert "threads slower" not in close.summary()
+
+
 def test_the_diagnosis_says_what_the_thread_safety_check_found() -> None:
     diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
     assert "thread safety" not in diagnosis.summary()  # threads not considered: no check

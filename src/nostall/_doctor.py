@@ -138,6 +138,9 @@ class Diagnosis:
         choice = self.threads_or_processes()
         if choice is not None:
             lines.append(choice)
+        slower = self.threads_against_serial()
+        if slower is not None:
+            lines.append(slower)
         if self.search.thread_safety is not None:
             lines.append(self.search.thread_safety.describe())
         if self.bound == "compute-bound":
@@ -167,6 +170,32 @@ class Diagnosis:
             return f"{ran}: about the same here, no clear difference in one run each."
         faster = "threads" if t > p else "worker processes"
         return f"{ran}: {faster} loaded faster here."
+
+    def threads_against_serial(self) -> str | None:
+        """Whether loading threads ran slower than one thread loading alone, in the search.
+
+        The best threads trial against ``num_workers=0`` (nostall's one producer thread, the
+        serial loader's work), both at the search's first depth (2), one run each: named
+        slower only at :data:`CLEAR_RATIO` or more. Samples that do little work releasing
+        the GIL (a ``TensorDataset``, pure-Python code) load several times slower with
+        threads, which only contend for the GIL.
+        """
+        curve = [(s, r) for s, r in self.search.curve if s.depth == 2 and s.num_workers == 0]
+        threads = [(s, r) for s, r in curve if s.threads is not None]
+        serial = [r for s, r in curve if s.threads is None]
+        if not threads or not serial:
+            return None
+        best, rate = max(threads, key=lambda sr: sr[1])
+        one = max(serial)
+        if one < CLEAR_RATIO * rate:
+            return None
+        return (
+            f"threads slower than one thread: the best, {best.threads} loading threads, ran "
+            f"{rate:,.0f} samples/s, {rate / one:.2f}x the {one:,.0f} samples/s of "
+            f"num_workers=0 loading in one thread (one run each in the search). Your samples "
+            f"do little work that releases the GIL (a TensorDataset, pure-Python code), so "
+            f"threads only contend for it: leave threads= out."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure, for ``--json``."""
