@@ -8,6 +8,7 @@ and the latest producer thread (two must never pull from one source).
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 import weakref
@@ -145,6 +146,21 @@ class Lineage:
                 )
             previous.join(POLL_S)
             waited += POLL_S
+
+    def handed_out_error(self) -> None:
+        """One batch's error was handed out: a generator it ended is exhausted, as at its end.
+
+        A generator that raised is closed: it can yield nothing more. The next pass then says
+        so, as for a generator that ended normally, instead of yielding nothing silently. A
+        one-shot source of another kind may go on after its error (the next pass pulls on).
+        """
+        source = self.epochs.source
+        if (
+            self.one_shot
+            and inspect.isgenerator(source)
+            and inspect.getgeneratorstate(source) == inspect.GEN_CLOSED
+        ):
+            self.exhausted = True
 
     def carry_over(self, channel: Channel) -> bool:
         """Move batches a stopped pass of a one-shot source fetched and nobody took to ``channel``.
