@@ -170,7 +170,6 @@ def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
         ({"threshold": float("nan")}, ValueError, "nostall.tune(threshold=...) must be"),
         ({"step": "train:step"}, TypeError, "nostall.tune(step=...) must be a function or None"),
         ({"device": "nonsense"}, ValueError, "device='nonsense' does not name a device"),
-        ({"device": "meta"}, ValueError, "device='meta' holds no data"),
     ],
 )
 def test_tune_checks_its_arguments(
@@ -180,6 +179,19 @@ def test_tune_checks_its_arguments(
     with pytest.raises(error) as info:
         nostall.tune(factory, **kwargs)
     assert message in str(info.value)
+
+
+def test_tune_refuses_the_meta_device_before_building_a_loader() -> None:
+    """device='meta' holds no data to time: refused at once, not by the first trial's prefetch."""
+    built = []
+
+    def make_loader(num_workers: int = 0) -> DataLoader[Any]:
+        built.append(num_workers)
+        return DataLoader(range(64), batch_size=4, num_workers=num_workers)
+
+    with pytest.raises(ValueError, match="device='meta' holds no data"):
+        nostall.tune(make_loader, device="meta")
+    assert [] == built
 
 
 def test_tune_refuses_a_loader_in_place_of_its_factory() -> None:
