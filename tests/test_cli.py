@@ -72,6 +72,7 @@ def test_bad_config_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
         (["--contenders", "no such contender"], "unknown contenders ['no such contender']"),
         (["--device", "nonsense"], "device='nonsense' does not name a device"),
         (["--device", "cuda:x"], "device='cuda:x' does not name a device"),
+        (["--device", "meta"], "device='meta' holds no data"),
     ],
 )
 def test_bench_configuration_errors_are_one_line(

@@ -129,6 +129,17 @@ def test_a_string_that_names_no_device(bad: str) -> None:
         resolve_device(bad)
 
 
+def test_a_cpu_index_other_than_zero_is_refused() -> None:
+    """torch moves tensors to 'cpu:5' all the same: refused, naming what to pass."""
+    with pytest.raises(ValueError, match="torch has one cpu device") as info:
+        resolve_device("cpu:5")
+    assert "device='cpu:5'" in str(info.value)
+    assert "pass device='cpu'" in str(info.value)
+    with pytest.raises(ValueError, match="torch has one cpu device"):
+        nostall.prefetch([torch.ones(1)], "cpu:5")
+    assert torch.device("cpu", 0) == resolve_device("cpu:0")
+
+
 @pytest.mark.parametrize("bad", [1.0, True, [0]])
 def test_a_device_of_the_wrong_type(bad: Any) -> None:
     """A value of another type is a TypeError naming what was received and what to pass."""

@@ -51,6 +51,12 @@ CONSTANT = 3
 def returns_int():
     return 42
 
+def returns_tensor(num_workers=0):
+    return torch.zeros(64, 16)
+
+def returns_string():
+    return "train.csv"
+
 def decode_sample(i):
     raise ValueError("bad sample")  # the user's own bug, met while the doctor measures
 
@@ -258,6 +264,20 @@ def test_the_diagnosis_says_whether_threads_or_processes_loaded_faster() -> None
     assert only_threads.threads_or_processes() is None  # num_workers=0, or another depth
 
 
+def test_the_diagnosis_says_when_threads_ran_slower_than_one_thread() -> None:
+    """Trivial samples (a TensorDataset): threads at 0.07x the serial loader, said plainly."""
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    diagnosis.search.curve += [(Setting(0, 2, 2), 7.0), (Setting(0, 2, 4), 5.0)]
+    assert (
+        "threads slower than one thread: the best, 2 loading threads, ran 7 samples/s, 0.07x "
+        "the 100 samples/s of num_workers=0 loading in one thread"
+    ) in diagnosis.summary()
+    assert "leave threads= out" in diagnosis.to_dict()["summary"]
+    close = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    close.search.curve += [(Setting(0, 2, 2), 90.0)]  # within one run's noise of 100
+    assert "threads slower" not in close.summary()
+
+
 def test_the_diagnosis_says_what_the_thread_safety_check_found() -> None:
     diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
     assert "thread safety" not in diagnosis.summary()  # threads not considered: no check
@@ -332,6 +352,7 @@ def test_reports(user_module: str, tmp_path: Path) -> None:
     assert "<svg" in page
     assert "<script" not in page
     assert "http" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert [] == list(tmp_path.glob("*.nostall"))  # the write checks left nothing behind
 
 
 def test_without_a_step_the_bound_is_unknown(
@@ -422,6 +443,8 @@ def test_a_value_error_in_user_code_keeps_its_traceback(
     [
         ("nope:missing", "cannot import module 'nope'"),
         ("{m}:returns_int", "returned an int, not an iterable loader"),
+        ("{m}:returns_tensor", "returned a Tensor, whose iteration yields its rows, not a loader"),
+        ("{m}:returns_string", "returned a str, whose iteration yields its characters"),
     ],
 )
 def test_a_configuration_error_is_one_line_and_status_two(
@@ -437,12 +460,21 @@ def test_a_configuration_error_is_one_line_and_status_two(
     assert "Traceback" not in err
 
 
-def test_a_bad_device_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    """--device that names no device: one line and status 2, before the factory is imported."""
-    assert 2 == main(["doctor", "nope:missing", "--device", "nonsense", "--no-progress"])
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("nonsense", "device='nonsense' does not name a device"),
+        ("meta", "device='meta' holds no data"),
+    ],
+)
+def test_a_bad_device_is_a_usage_error(
+    device: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--device that names no device (or one without data): one line and status 2, at once."""
+    assert 2 == main(["doctor", "nope:missing", "--device", device, "--no-progress"])
     err = capsys.readouterr().err
     assert 1 == len(err.strip().splitlines()), err
-    assert "device='nonsense' does not name a device" in err
+    assert message in err
 
 
 def test_a_users_module_that_fails_to_import_keeps_its_traceback(
@@ -468,6 +500,7 @@ def test_a_users_module_that_fails_to_import_keeps_its_traceback(
         ({"repeats": 0}, ValueError, "diagnose(repeats=...) must be >= 1"),
         ({"repeats": 1.5}, TypeError, "diagnose(repeats=...) must be an int >= 1"),
         ({"transform": "x"}, TypeError, "diagnose(transform=...) must be a function or None"),
+        ({"device": "meta"}, ValueError, "device='meta' holds no data"),
     ],
 )
 def test_diagnose_checks_its_arguments(
@@ -475,7 +508,7 @@ def test_diagnose_checks_its_arguments(
 ) -> None:
     """Wrong types raise TypeError, wrong values ValueError, naming the argument."""
     with pytest.raises(error) as info:
-        diagnose(lambda: [], device="cpu", **kwargs)  # type: ignore[arg-type]
+        diagnose(lambda: [], **{"device": "cpu", **kwargs})  # type: ignore[arg-type]
     assert message in str(info.value)
 
 
@@ -556,6 +589,13 @@ def test_a_dataset_bound_to_its_thread_is_one_line_and_status_two(
     [
         ("--json", "{tmp}/no/such/folder/d.json", "does not exist"),
         ("--html", "{tmp}", "is a folder"),
+        pytest.param(
+            "--json",
+            "/dev/full",
+            "/dev/full cannot be written (No space left on device)",
+            marks=pytest.mark.skipif(not Path("/dev/full").exists(), reason="Linux's /dev/full"),
+            id="dev-full",
+        ),
     ],
 )
 def test_output_paths_are_checked_before_measuring(
@@ -570,6 +610,7 @@ def test_output_paths_are_checked_before_measuring(
     argv = ["doctor", f"{user_module}:make_loader_that_refuses", flag, path.format(tmp=tmp_path)]
     assert 2 == main([*argv, "--device", "cpu", "--no-progress"])
     err = capsys.readouterr().err
+    assert 1 == len(err.strip().splitlines()), err
     assert message in err
     assert "no such split" not in err
 

@@ -874,6 +874,23 @@ def test_second_epoch_of_an_exhausted_generator_is_empty_with_a_warning() -> Non
         assert [] == list(p)
 
 
+def test_a_generator_that_raised_gives_an_empty_next_epoch_with_a_warning() -> None:
+    """As for one that ended: its error surfaces, then the next pass warns, never silent."""
+
+    def source() -> Iterator[torch.Tensor]:
+        yield torch.tensor([0])
+        yield torch.tensor([1])
+        raise OSError("truncated record 2")
+
+    p = nostall.prefetch(source())
+    batches = iter(p)
+    assert [0, 1] == [int(next(batches)), int(next(batches))]
+    with pytest.raises(OSError, match="truncated record 2"):
+        next(batches)
+    with pytest.warns(UserWarning, match="one-shot iterator that is exhausted"):
+        assert [] == list(p)
+
+
 def test_breaking_out_of_a_generator_loses_nothing() -> None:
     """Batches fetched ahead for a one-shot source are handed to the next iteration."""
     pulled = []

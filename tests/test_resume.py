@@ -6,6 +6,7 @@ test_epochs.py (resuming mid-epoch, across epochs, inside frameworks); here, the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -123,7 +124,12 @@ def test_a_transform_state_for_a_transform_without_load_state_dict_is_refused() 
         ({"epoch": -1}, r"state\['epoch'\] must be an int >= 0"),
         ({"batches_yielded": True}, r"state\['batches_yielded'\] must be an int >= 0"),
         ({"batches_yielded": 6}, "past the end of an epoch of 5 batches"),
-        ({"replay": None}, "source here has none"),
+        ({"replay": None}, r"state\['replay'\] must be a dict .*\(got None, a NoneType\)"),
+        (
+            {"replay": None, "source_state": {"_num_yielded": 2}},
+            r"state\['source_state'\] holds a source's own state_dict\(\), but the source here "
+            r"has none \(a DataLoader\)",
+        ),
     ],
 )
 def test_check_state_names_the_field_that_is_wrong(change: dict[str, Any], match: str) -> None:
@@ -145,3 +151,69 @@ def test_check_state_refuses_a_damaged_random_state() -> None:
     damaged = {**saved, "replay": {**saved["replay"], "rng": {"torch": torch.zeros(3)}}}
     with pytest.raises(ValueError, match=r"state\['replay'\]\['rng'\]\['torch'\]"):
         check_state(damaged, epochs)
+
+
+def test_check_state_refuses_an_epoch_past_an_int64() -> None:
+    """epoch=2**70 was accepted, then failed in the sampler's seed at a later next()."""
+    epochs = epochs_of()
+    saved = state_of(Position.start(0, None), epochs)
+    with pytest.raises(ValueError, match=r"state\['epoch'\] must be an int >= 0 and < 2\*\*63 "):
+        check_state({**saved, "epoch": 2**70}, epochs)
+    assert check_state({**saved, "epoch": 2**63 - 1}, epochs)["epoch"] == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"sampler_epoch": "3"}, "sampler_epoch"),
+        ({"fresh_iterator": None}, "fresh_iterator"),
+        ({"rng": None}, "rng"),
+        ({"batches": -1}, "batches"),
+    ],
+)
+def test_a_damaged_end_of_epoch_record_is_named_where_it_is(
+    change: dict[str, Any], field: str
+) -> None:
+    """A field of state['replay']['end_of'] is named there, not as state['replay']'s own."""
+    epochs = epochs_of(n=4)  # two batches
+    record = {"rng": {"torch": torch.get_rng_state()}, "sampler_epoch": None}
+    saved = state_of(Position(0, 2, record, None, None), epochs)
+    end_of = {**saved["replay"]["end_of"], "fresh_iterator": False, **change}
+    damaged = {**saved, "replay": {**saved["replay"], "end_of": end_of}}
+    with pytest.raises(ValueError, match=re.escape(f"state['replay']['end_of'][{field!r}]")):
+        check_state(damaged, epochs)
+
+
+def stateful_epochs(num_workers: int = 0) -> EpochSource:
+    """EpochSource over torchdata's StatefulDataLoader of 10 numbers, batches of 2."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(range(10), batch_size=2, num_workers=num_workers)
+    return EpochSource(loader, across_epochs=False)
+
+
+@pytest.mark.parametrize(
+    ("source_state", "match"),
+    [
+        (
+            "garbage",
+            r"must be a StatefulDataLoader's state_dict\(\), a dict \(got 'garbage', a str\)",
+        ),
+        ({"x": 1}, r"is no StatefulDataLoader state \(it has neither '_num_yielded'"),
+    ],
+)
+def test_a_stateful_dataloaders_state_that_is_not_its_own_is_refused(
+    source_state: object, match: str
+) -> None:
+    """torchdata asserted only at the next iter(); refused at load_state_dict, named."""
+    epochs = stateful_epochs()
+    saved = state_of(Position.start(0, None), epochs)
+    with pytest.raises(ValueError, match=r"state\['source_state'\] " + match):
+        check_state({**saved, "batches_yielded": 1, "source_state": source_state}, epochs)
+
+
+def test_a_stateful_dataloaders_state_for_other_workers_is_refused() -> None:
+    """Saved with num_workers=0, loaded into num_workers=2: refused with the count to build."""
+    saved = state_of(Position.start(0, None), stateful_epochs())
+    here = stateful_epochs(num_workers=2)
+    with pytest.raises(ValueError, match="num_workers=0, and this one has num_workers=2"):
+        check_state({**saved, "batches_yielded": 1}, here)

@@ -372,6 +372,15 @@ def test_what_threads_cannot_load_is_refused_with_the_fix(
         nostall.prefetch(source, "cpu", threads=threads)
 
 
+def test_a_thread_count_past_the_maximum_is_refused() -> None:
+    """threads=10_000 started hundreds of threads: past MAX_THREADS it is a ValueError."""
+    with pytest.raises(ValueError, match=re.escape("must be <= 256 (got 10000)")):
+        nostall.prefetch(DataLoader(range(4)), "cpu", threads=10_000)
+    assert [[0, 1, 2, 3]] == [
+        b.tolist() for b in nostall.prefetch(DataLoader(range(4), batch_size=4), "cpu", threads=256)
+    ]
+
+
 def test_an_iterable_dataset_or_an_own_iter_is_refused() -> None:
     """No index to fetch, or an iteration threads would bypass: refused, never bypassed."""
 

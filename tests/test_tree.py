@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import pytest
 import torch
 
-from nostall._tree import batch_size_of, iter_tensors
+import nostall
+from nostall._tree import batch_size_of, iter_tensors, map_tensors
 
 
 @dataclasses.dataclass
@@ -48,3 +51,21 @@ class Slotted:
 def test_tensors_of_slotted_objects_are_found() -> None:
     """A slotted batch object keeps no __dict__; its tensors are found all the same."""
     assert [t.numel() for t in iter_tensors([Slotted()])] == [3, 1]
+
+
+def nested(depth: int) -> Any:
+    """A tensor inside ``depth`` lists, each holding the next."""
+    batch: Any = torch.zeros(1)
+    for _ in range(depth):
+        batch = [batch]
+    return batch
+
+
+def test_a_batch_nested_too_deep_to_walk_is_a_value_error_naming_its_depth() -> None:
+    """A list nested 5000 deep: a ValueError naming the depth, not a RecursionError."""
+    with pytest.raises(ValueError, match="this batch nests containers 5000 levels deep"):
+        map_tensors(nested(5000), lambda t: t)
+    batches = nostall.prefetch([nested(5000)], "cpu")
+    with pytest.raises(ValueError, match="5000 levels deep") as info:
+        next(iter(batches))
+    assert "Flatten it" in str(info.value)

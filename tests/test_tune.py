@@ -182,6 +182,19 @@ def test_tune_checks_its_arguments(
     assert message in str(info.value)
 
 
+def test_tune_refuses_the_meta_device_before_building_a_loader() -> None:
+    """device='meta' holds no data to time: refused at once, not by the first trial's prefetch."""
+    built = []
+
+    def make_loader(num_workers: int = 0) -> DataLoader[Any]:
+        built.append(num_workers)
+        return DataLoader(range(64), batch_size=4, num_workers=num_workers)
+
+    with pytest.raises(ValueError, match="device='meta' holds no data"):
+        nostall.tune(make_loader, device="meta")
+    assert [] == built
+
+
 def test_tune_refuses_a_loader_in_place_of_its_factory() -> None:
     """The loader itself where its factory is wanted: a TypeError saying what to pass."""
     with pytest.raises(

@@ -29,20 +29,31 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def not_batches(value: object) -> str | None:
+    """What iterating ``value`` yields when it is iterable but not batches, else None.
+
+    ``'its characters'`` for a str, ``'its rows'`` for a tensor, ``'its keys'`` for a mapping:
+    one batch, or one sample, passed where the loader of many was meant.
+    """
+    if not isinstance(value, (str, bytes, bytearray, Mapping, torch.Tensor)):
+        return None
+    what = {
+        str: "its characters",
+        bytes: "its bytes",
+        bytearray: "its bytes",
+        torch.Tensor: "its rows",
+    }
+    return next((v for k, v in what.items() if isinstance(value, k)), "its keys")
+
+
 def source(value: object, owner: str = "nostall.prefetch") -> None:
     """An iterable of batches (a DataLoader, a list...), not one batch or a container of keys."""
     cls = type(value)
-    if isinstance(value, (str, bytes, bytearray, Mapping, torch.Tensor)):
-        what = {
-            str: "its characters",
-            bytes: "its bytes",
-            bytearray: "its bytes",
-            torch.Tensor: "its rows",
-        }
-        kind = next((v for k, v in what.items() if isinstance(value, k)), "its keys")
+    yields = not_batches(value)
+    if yields is not None:
         raise TypeError(
             f"{owner}(source) needs an iterable of batches such as a DataLoader (got a "
-            f"{cls.__qualname__}, whose iteration yields {kind}); pass a DataLoader over your "
+            f"{cls.__qualname__}, whose iteration yields {yields}); pass a DataLoader over your "
             f"data, or a list of batches (e.g. list(tensor.split(batch_size)))"
         )
     if callable(getattr(cls, "__iter__", None)) or callable(getattr(cls, "__getitem__", None)):

@@ -161,10 +161,10 @@ def _device(device: str | None) -> torch.device:
     Resolved here, at the command line, rather than where the library resolves it again: a
     device error raised later (by the user's own code, say) is not the user's ``--device``.
     """
-    from ._device import resolve_device
+    from ._device import resolve_data_device
 
     try:
-        return resolve_device(device)
+        return resolve_data_device(device)
     except (TypeError, ValueError, DeviceUnavailableError) as e:
         raise ConfigurationError(str(e)) from e
 

@@ -14,6 +14,9 @@ from ._exceptions import DeviceUnavailableError
 
 DeviceLike = torch.device | str | int | None
 
+#: Device types torch has exactly one of: any index but 0 names nothing.
+_SINGLE = ("cpu", "mps")
+
 
 # The LOCAL_RANK guess is announced once per process: default_device runs for every
 # prefetcher, timer and transfer, and the advice is the same each time.
@@ -86,7 +89,8 @@ def resolve_device(device: DeviceLike) -> torch.device:
 
     Raises:
         TypeError: ``device`` is not of a type that names a device.
-        ValueError: ``device`` is a string that names no device.
+        ValueError: ``device`` is a string that names no device, or an index of a device type
+            torch has one of (``"cpu:5"``: the CPU is ``cpu``, whatever its cores).
         DeviceUnavailableError: the device is well formed but does not exist on this machine.
     """
     if device is None:
@@ -102,10 +106,36 @@ def resolve_device(device: DeviceLike) -> torch.device:
         raise ValueError(f"device={device!r} does not name a device: {e}") from e
     if dev.type == "cuda":
         return _check_cuda(dev, device)
+    if dev.type in _SINGLE and dev.index not in (None, 0):
+        # torch accepts cpu:5 and moves tensors to the one CPU device all the same, so a
+        # mistyped device (a GPU index meant for cuda) would silently run on the CPU.
+        raise ValueError(
+            f"device={device!r} names {dev.type} device {dev.index}, but torch has one "
+            f"{dev.type} device (index 0); pass device={dev.type!r}, or device='cuda:"
+            f"{dev.index}' if you meant a GPU"
+        )
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise DeviceUnavailableError(
             f"device={device!r} was requested but MPS is not available on this machine; "
             f"{_available()}"
+        )
+    return dev
+
+
+def resolve_data_device(device: DeviceLike) -> torch.device:
+    """:func:`resolve_device`, for batches that must hold data: the meta device is refused.
+
+    ``nostall.prefetch``, ``tune`` and the doctor move batches there to compute on them;
+    ``to_device`` alone still takes ``"meta"`` (shapes without data have their uses).
+
+    Raises:
+        ValueError: ``device`` is the meta device (and as :func:`resolve_device`).
+    """
+    dev = resolve_device(device)
+    if dev.type == "meta":
+        raise ValueError(
+            "device='meta' holds no data, so batches cannot be moved there; pass "
+            "device='cuda', 'cpu' or None"
         )
     return dev
 

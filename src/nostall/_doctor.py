@@ -11,7 +11,9 @@ import html
 import inspect
 import json
 import os
+import stat
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _arguments
-from ._device import DeviceLike, resolve_device
+from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
 from ._specs import checked_factory
 from ._timing import synchronize
@@ -136,6 +138,9 @@ class Diagnosis:
         choice = self.threads_or_processes()
         if choice is not None:
             lines.append(choice)
+        slower = self.threads_against_serial()
+        if slower is not None:
+            lines.append(slower)
         if self.search.thread_safety is not None:
             lines.append(self.search.thread_safety.describe())
         if self.bound == "compute-bound":
@@ -165,6 +170,32 @@ class Diagnosis:
             return f"{ran}: about the same here, no clear difference in one run each."
         faster = "threads" if t > p else "worker processes"
         return f"{ran}: {faster} loaded faster here."
+
+    def threads_against_serial(self) -> str | None:
+        """Whether loading threads ran slower than one thread loading alone, in the search.
+
+        The best threads trial against ``num_workers=0`` (nostall's one producer thread, the
+        serial loader's work), both at the search's first depth (2), one run each: named
+        slower only at :data:`CLEAR_RATIO` or more. Samples that do little work releasing
+        the GIL (a ``TensorDataset``, pure-Python code) load several times slower with
+        threads, which only contend for the GIL.
+        """
+        curve = [(s, r) for s, r in self.search.curve if s.depth == 2 and s.num_workers == 0]
+        threads = [(s, r) for s, r in curve if s.threads is not None]
+        serial = [r for s, r in curve if s.threads is None]
+        if not threads or not serial:
+            return None
+        best, rate = max(threads, key=lambda sr: sr[1])
+        one = max(serial)
+        if one < CLEAR_RATIO * rate:
+            return None
+        return (
+            f"threads slower than one thread: the best, {best.threads} loading threads, ran "
+            f"{rate:,.0f} samples/s, {rate / one:.2f}x the {one:,.0f} samples/s of "
+            f"num_workers=0 loading in one thread (one run each in the search). Your samples "
+            f"do little work that releases the GIL (a TensorDataset, pure-Python code), so "
+            f"threads only contend for it: leave threads= out."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure, for ``--json``."""
@@ -273,7 +304,8 @@ def diagnose(
             :func:`nostall.tune`).
         TypeError: ``factory``, ``step``, ``transform`` or ``progress`` is not callable, a
             count not an int; ``device`` of a type that names no device.
-        ValueError: ``max_batches`` or ``repeats`` < 1; ``device`` names no device.
+        ValueError: ``max_batches`` or ``repeats`` < 1; ``device`` names no device, or the meta
+            device (no data to measure).
         DeviceUnavailableError: ``device`` is not on this machine.
     """
     hint = "pass the function that builds your loader (make_loader, not make_loader())"
@@ -283,7 +315,7 @@ def diagnose(
     _arguments.integer("diagnose", "repeats", repeats, low=1, example=3)
     _arguments.function("diagnose", "transform", transform, optional=True, hint="e.g. a Normalize")
     _arguments.function("diagnose", "progress", progress, optional=True, hint="e.g. print")
-    dev = resolve_device(device)
+    dev = resolve_data_device(device)
     build = checked_factory(factory)
     total = 4 * repeats * (RUN_BATCHES + 2) + max_batches
     done = 0
@@ -428,8 +460,20 @@ def _step_rate(build: Factory, step: Step, device: Any, transform: Transform | N
 def check_output(path: str | None, flag: str) -> None:
     """Refuse an output path that cannot be written, before minutes of measuring.
 
+    Writing is tried, not guessed from permission bits (root passes those everywhere, and
+    ``/dev/full`` opens fine and fails only when written to):
+
+    * an existing file is opened for appending, without truncating it, and sent a write of
+      zero bytes: that changes nothing in a file (nor its time stamps) but fails where a real
+      write fails on a device (``/dev/full``: no space) or a read-only filesystem;
+    * a new file is tried as a temporary file beside it, one byte written and synced (a full
+      or read-only filesystem fails there), then removed: nothing is left behind;
+    * a named pipe or socket is not opened: opening a pipe waits for its reader.
+
+    A disk with only a little room left can still fill up before the report is written.
+
     Raises:
-        ConfigurationError: its folder does not exist, it is a folder, or it is not writable.
+        ConfigurationError: its folder does not exist, it is a folder, or writing it fails.
     """
     if not path:
         return
@@ -439,8 +483,26 @@ def check_output(path: str | None, flag: str) -> None:
         raise ConfigurationError(f"{flag} {path} is a folder; pass a file path")
     if not folder.is_dir():
         raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(target if target.exists() else folder, os.W_OK):
-        raise ConfigurationError(f"{flag} {path} cannot be written here (permission denied)")
+    try:
+        if not target.exists():
+            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".nostall", dir=folder)
+            try:
+                os.write(fd, b"\0")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        elif not stat.S_ISFIFO(mode := target.stat().st_mode) and not stat.S_ISSOCK(mode):
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+            try:
+                os.write(fd, b"")
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ConfigurationError(
+            f"{flag} {path} cannot be written ({e.strerror or e}); pass a path on a writable "
+            f"filesystem with room to spare"
+        ) from e
 
 
 def write_reports(diagnosis: Diagnosis, json_path: str | None, html_path: str | None) -> None:

@@ -97,12 +97,15 @@ class IterCount:
             self.loader._num_iter_calls = count  # type: ignore[attr-defined]
 
 
-def check_count(replay: dict[str, Any]) -> None:
-    """Refuse a damaged count in a loaded state (``ValueError`` naming the field)."""
+def check_count(replay: dict[str, Any], where: str = "state['replay']") -> None:
+    """Refuse a damaged count in a loaded state (``ValueError`` naming the field).
+
+    ``where`` is the replay record's place in the state (``state['replay']['end_of']``, say).
+    """
     count = replay.get(COUNT)
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
         raise ValueError(
-            f"state['replay'][{COUNT!r}] must be None or an int >= 0 (got {count!r}); pass a "
+            f"{where}[{COUNT!r}] must be None or an int >= 0 (got {count!r}); pass a "
             f"state from Prefetcher.state_dict()"
         )
 

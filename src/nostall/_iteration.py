@@ -210,6 +210,7 @@ class PrefetchIterator(Iterator[T]):
             self._index += 1
             if kind is ERROR:
                 lineage.at.advance(epoch, self._index, state, None)
+                lineage.handed_out_error()
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
             if self._staging.late:

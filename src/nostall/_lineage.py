@@ -8,6 +8,7 @@ and the latest producer thread (two must never pull from one source).
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 import weakref
@@ -184,6 +185,21 @@ class Lineage:
         if self.epochs.pool is not None:
             self.epochs.pool.abandon()
         return True
+
+    def handed_out_error(self) -> None:
+        """One batch's error was handed out: a generator it ended is exhausted, as at its end.
+
+        A generator that raised is closed: it can yield nothing more. The next pass then says
+        so, as for a generator that ended normally, instead of yielding nothing silently. A
+        one-shot source of another kind may go on after its error (the next pass pulls on).
+        """
+        source = self.epochs.source
+        if (
+            self.one_shot
+            and inspect.isgenerator(source)
+            and inspect.getgeneratorstate(source) == inspect.GEN_CLOSED
+        ):
+            self.exhausted = True
 
     def carry_over(self, channel: Channel) -> bool:
         """Move batches a stopped pass of a one-shot source fetched and nobody took to ``channel``.

@@ -13,7 +13,7 @@ from ._accelerate import (
     is_prepared_shard,
     route_skip_first_batches,
 )
-from ._device import DeviceLike, resolve_device
+from ._device import DeviceLike, resolve_data_device
 from ._epochs import EpochSource
 from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
@@ -200,12 +200,7 @@ class Prefetcher(Generic[T]):
                 f"{transform!r} that is {check.kind(transform)})"
             )
         self._source = source
-        self.device = resolve_device(fabric_device(source) if device is None else device)
-        if self.device.type == "meta":
-            raise ValueError(
-                "device='meta' holds no data, so batches cannot be moved there; pass "
-                "device='cuda', 'cpu' or None"
-            )
+        self.device = resolve_data_device(fabric_device(source) if device is None else device)
         self.depth = depth
         self._timeout = timeout
         self.across_epochs = across_epochs

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from typing import Any
 
 import torch
 
-from ._arguments import kind
+from ._arguments import kind, received
 from ._epochs import EpochSource, describe_order
 from ._fabric import check_count
 
@@ -162,7 +163,8 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
     """Validate a loaded state against the source; return it, or raise ``ValueError``.
 
     Every field is checked here, at load time, so that a damaged or foreign state is refused
-    with the field's name instead of failing later inside ``next()``.
+    with the field's name instead of failing later inside ``next()``. Each message names the
+    field it checked, the value received, and what to pass.
     """
     if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
         raise ValueError(
@@ -170,12 +172,7 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"'nostall': {STATE_VERSION}; got {kind(state)})"
         )
     for key in ("epoch", "batches_yielded"):
-        value = state.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"state[{key!r}] must be an int >= 0 (got {value!r} that is a "
-                f"{type(value).__name__}); pass a state from Prefetcher.state_dict()"
-            )
+        _check_count(state.get(key), f"state[{key!r}]")
     length = epochs.length()
     if length is not None and state["batches_yielded"] > length:
         raise ValueError(
@@ -183,17 +180,28 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"of {length} batches; pass a state saved from an identically built loader"
         )
     if epochs.stateful:
-        if state.get("source_state") is None and state["batches_yielded"] > 0:
+        saved = state.get("source_state")
+        if saved is None and state["batches_yielded"] > 0:
             raise ValueError(
-                "this state was saved from a source without state_dict(), but the source here "
-                "has one; build the same kind of loader as when the state was saved"
+                f"state['source_state'] is None: this state was saved from a source without "
+                f"state_dict(), but the source here has one (a "
+                f"{type(epochs.source).__qualname__}); build the same kind of loader as when "
+                f"the state was saved"
             )
+        if saved is not None:
+            _check_stateful_dataloader(saved, epochs.source)
         return state
     replay = state.get("replay")
     if not isinstance(replay, dict):
+        if state.get("source_state") is not None:
+            raise ValueError(
+                f"state['source_state'] holds a source's own state_dict(), but the source here "
+                f"has none (a {type(epochs.source).__qualname__}); build the same kind of "
+                f"loader as when the state was saved (e.g. a StatefulDataLoader)"
+            )
         raise ValueError(
-            "this state holds a source's own state_dict(), but the source here has none; build "
-            "the same kind of loader as when the state was saved (e.g. a StatefulDataLoader)"
+            f"state['replay'] must be a dict of what the epoch's order was drawn from "
+            f"({received(replay)}); pass a state from Prefetcher.state_dict()"
         )
     here = describe_order(epochs.source)
     if replay.get("length") != here["length"]:
@@ -207,44 +215,93 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"the state was saved for samplers {replay.get('samplers')}, this source has "
             f"{here['samplers']}; resume with an identically built loader"
         )
-    _check_replay(replay)
+    _check_replay(replay, "state['replay']")
     return state
 
 
-def _check_replay(replay: dict[str, Any]) -> None:
+#: The largest count or epoch a state may hold: an int64, as torch keeps them (a
+#: ``DistributedSampler`` seeds its shuffle with ``seed + epoch``; past it, that fails).
+MAX_COUNT = 2**63 - 1
+
+
+def _check_count(value: object, field: str) -> None:
+    """An int from 0 to :data:`MAX_COUNT` (``bool`` refused), else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(
+            f"{field} must be an int >= 0 and < 2**63 ({received(value)}); pass a state from "
+            f"Prefetcher.state_dict()"
+        )
+
+
+def _check_stateful_dataloader(saved: object, source: object) -> None:
+    """A torchdata ``StatefulDataLoader``'s state is one its next ``iter()`` takes.
+
+    torchdata reads a loaded state only when the next iterator is created, and refuses one
+    saved with another ``num_workers`` (or not its own) there with an ``AssertionError``;
+    these are its checks, made at ``load_state_dict``. An empty dict is its fresh start.
+    """
+    module = sys.modules.get("torchdata.stateful_dataloader")
+    loader_type = getattr(module, "StatefulDataLoader", None)
+    if loader_type is None or not isinstance(source, loader_type) or saved == {}:
+        return
+    fix = "pass the state_dict() of an identically built StatefulDataLoader"
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"state['source_state'] must be a StatefulDataLoader's state_dict(), a dict "
+            f"({received(saved)}); {fix}"
+        )
+    snapshot = saved.get("_snapshot")
+    if "_num_yielded" in saved:  # the single-process iterator's state
+        workers: object = 0
+    elif isinstance(snapshot, dict) and isinstance(snapshot.get("_main_snapshot"), dict):
+        workers = snapshot["_main_snapshot"].get("_num_workers")
+    else:
+        raise ValueError(
+            f"state['source_state'] is no StatefulDataLoader state (it has neither "
+            f"'_num_yielded' nor a '_snapshot' with a '_main_snapshot'; keys "
+            f"{sorted(map(str, saved))[:8]}); {fix}"
+        )
+    here = getattr(source, "num_workers", None)
+    if workers != here:
+        raise ValueError(
+            f"state['source_state'] was saved from a StatefulDataLoader with num_workers="
+            f"{workers!r}, and this one has num_workers={here}; build it with num_workers="
+            f"{workers!r}, as when the state was saved"
+        )
+
+
+def _check_replay(replay: dict[str, Any], where: str) -> None:
+    """The replay record at ``where`` (``state['replay']``, or its ``['end_of']``)."""
     end_of = replay.get("end_of")
     if end_of is not None:
-        if not isinstance(end_of, dict) or not isinstance(end_of.get("batches"), int):
+        if not isinstance(end_of, dict):
             raise ValueError(
-                "state['replay']['end_of'] must be a dict with 'batches'; pass a state from "
-                "Prefetcher.state_dict()"
+                f"{where}['end_of'] must be None or a dict with 'batches' ({received(end_of)}); "
+                f"pass a state from Prefetcher.state_dict()"
             )
-        _check_replay({k: v for k, v in end_of.items() if k != "batches"})
+        _check_count(end_of.get("batches"), f"{where}['end_of']['batches']")
+        _check_replay({k: v for k, v in end_of.items() if k != "batches"}, f"{where}['end_of']")
     sampler_epoch = replay.get("sampler_epoch")
-    if sampler_epoch is not None and (
-        isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int) or sampler_epoch < 0
-    ):
-        raise ValueError(
-            f"state['replay']['sampler_epoch'] must be None or an int >= 0 (got "
-            f"{sampler_epoch!r}); pass a state from Prefetcher.state_dict()"
-        )
+    if sampler_epoch is not None:
+        _check_count(sampler_epoch, f"{where}['sampler_epoch']")
     if not isinstance(replay.get("fresh_iterator"), bool):
         raise ValueError(
-            f"state['replay']['fresh_iterator'] must be True or False (got "
-            f"{replay.get('fresh_iterator')!r}); pass a state from Prefetcher.state_dict()"
+            f"{where}['fresh_iterator'] must be True or False ("
+            f"{received(replay.get('fresh_iterator'))}); pass a state from "
+            f"Prefetcher.state_dict()"
         )
-    check_count(replay)
+    check_count(replay, where)
     rng = replay.get("rng")
     if not isinstance(rng, dict) or "torch" not in rng:
         raise ValueError(
-            "state['replay']['rng'] must be a dict of generator states with a 'torch' entry; "
-            "pass a state from Prefetcher.state_dict()"
+            f"{where}['rng'] must be a dict of generator states with a 'torch' entry ("
+            f"{received(rng)}); pass a state from Prefetcher.state_dict()"
         )
     for name, value in rng.items():
         try:
             torch.Generator().set_state(value)  # the same check a real restore would make
         except (TypeError, RuntimeError) as e:
             raise ValueError(
-                f"state['replay']['rng'][{name!r}] is not a CPU generator state ({e}); the "
+                f"{where}['rng'][{name!r}] is not a CPU generator state ({e}); the "
                 f"checkpoint is damaged or not from Prefetcher.state_dict()"
             ) from e

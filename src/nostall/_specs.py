@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._arguments import kind
+from ._arguments import kind, not_batches
 from ._exceptions import ConfigurationError
 
 Factory = Callable[..., Iterable[Any]]
@@ -68,8 +68,9 @@ def checked_factory(factory: Factory) -> Factory:
     """The factory, failing clearly when it does not build an iterable.
 
     What the factory raises itself is the user's code failing and propagates untouched; only a
-    return value that cannot be iterated is a :class:`ConfigurationError` (the spec names the
-    wrong function).
+    return value that cannot be iterated, or whose iteration is not batches (a tensor, a str,
+    a dict: see :func:`~nostall._arguments.not_batches`), is a :class:`ConfigurationError`
+    (the spec names the wrong function).
     """
 
     def build(**kwargs: Any) -> Iterable[Any]:
@@ -78,6 +79,12 @@ def checked_factory(factory: Factory) -> Factory:
             raise ConfigurationError(
                 f"the factory returned {kind(loader)}, not an iterable loader; it "
                 f"should return a DataLoader (or any iterable of batches)"
+            )
+        yields = not_batches(loader)
+        if yields is not None:  # iterable, but one batch or sample: the wrong function named
+            raise ConfigurationError(
+                f"the factory returned {kind(loader)}, whose iteration yields {yields}, not a "
+                f"loader of batches; it should return a DataLoader (or any iterable of batches)"
             )
         return loader
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import random
 import threading
 import time
@@ -72,6 +73,12 @@ IDLE_S = 0.2
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
 POLL_S = 0.1
 
+#: The most loading threads ``threads=`` takes. Threads start per sample in flight (up to a
+#: batch's samples times ``depth + 1``), so a larger count starts hundreds of threads that
+#: share one GIL; past about the cores (more for I/O-bound samples) they only add switching.
+#: ``nostall.tune`` tries counts up to this.
+MAX_THREADS = 256
+
 _local = threading.local()
 _original_get_worker_info = torch.utils.data.get_worker_info
 
@@ -92,7 +99,8 @@ def check_threadable(source: object, threads: object) -> int | None:
             loader with worker processes (``num_workers > 0``: the threads replace them, so
             build it without). accelerate's prepared loader is accepted when the
             ``DataLoader`` it iterates is (the threads load that one, inside accelerate's
-            iteration), except a dispatcher or a stateful one.
+            iteration), except a dispatcher or a stateful one. Also ``threads`` past
+            :data:`MAX_THREADS`.
 
     Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it
     (except Trainer's own, see :func:`nostall._transformers.is_trainer_seed_worker`).
@@ -106,6 +114,12 @@ def check_threadable(source: object, threads: object) -> int | None:
         )
     if threads < 1:
         raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
+    if threads > MAX_THREADS:
+        raise ValueError(
+            f"nostall.prefetch(threads=...) must be <= {MAX_THREADS} (got {threads}): the "
+            f"threads share one GIL, and past about the core count ({os.cpu_count()} here) they "
+            f"only add switching; pass e.g. threads=8 (more only for samples that wait on I/O)"
+        )
     if is_fabric_loader(source):
         raise TypeError(threads_refusal(threads))
     if isinstance(source, IterableDataset):  # a webdataset pipeline, WebLoader, HF's stream

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Mapping, Set
 from typing import Any, TypeVar
 
@@ -40,7 +41,40 @@ def map_tensors(batch: T, on_tensor: TensorFn, on_object: ObjectFn | None = None
             before it is walked; returns :data:`UNHANDLED` to let the walk continue.
 
     The input is never modified: mutable containers are copied, not updated in place.
+
+    Raises:
+        ValueError: the walk ran out of Python's recursion limit on a batch nested deeper
+            than a quarter of it (:func:`nesting_depth`): a list in a list 5000 deep, say.
+            The walk recurses (two or three frames a level) because a depth counter or an
+            explicit stack would slow every batch; a ``RecursionError`` of a shallower batch
+            (raised by ``on_object``, say) propagates unchanged.
     """
+    try:
+        # The fast path of _walk, inline: the common batch costs no extra call.
+        cls = type(batch)
+        if cls is tuple:
+            return tuple([_walk(x, on_tensor, on_object) for x in batch])  # type: ignore[attr-defined,return-value]
+        if cls is list:
+            return [_walk(x, on_tensor, on_object) for x in batch]  # type: ignore[attr-defined,return-value]
+        if cls is dict:
+            return {k: _walk(v, on_tensor, on_object) for k, v in batch.items()}  # type: ignore[attr-defined,return-value]
+        return _walk(batch, on_tensor, on_object)
+    except RecursionError as e:
+        depth = nesting_depth(batch)
+        if depth * 4 < sys.getrecursionlimit():
+            raise  # not the batch's depth: someone's own recursion
+        raise ValueError(
+            f"this batch nests containers {depth} levels deep (its outermost a "
+            f"{type(batch).__qualname__}), too deep for nostall's walk under Python's "
+            f"recursion limit (sys.getrecursionlimit() = {sys.getrecursionlimit()}). Flatten "
+            f"it, or hold the deep part in an object with its own .to(device, "
+            f"non_blocking=False) (and .pin_memory()) method, which nostall calls instead of "
+            f"walking it"
+        ) from e
+
+
+def _walk(batch: T, on_tensor: TensorFn, on_object: ObjectFn | None) -> T:
+    """:func:`map_tensors`, recursively."""
     cls = type(batch)
     if cls is torch.Tensor:
         return on_tensor(batch)  # type: ignore[arg-type,return-value]
@@ -48,11 +82,11 @@ def map_tensors(batch: T, on_tensor: TensorFn, on_object: ObjectFn | None = None
         return batch
     # Fast path: the exact containers that default_collate produces.
     if cls is tuple:
-        return tuple([map_tensors(x, on_tensor, on_object) for x in batch])  # type: ignore[attr-defined,return-value]
+        return tuple([_walk(x, on_tensor, on_object) for x in batch])  # type: ignore[attr-defined,return-value]
     if cls is list:
-        return [map_tensors(x, on_tensor, on_object) for x in batch]  # type: ignore[attr-defined,return-value]
+        return [_walk(x, on_tensor, on_object) for x in batch]  # type: ignore[attr-defined,return-value]
     if cls is dict:
-        return {k: map_tensors(v, on_tensor, on_object) for k, v in batch.items()}  # type: ignore[attr-defined,return-value]
+        return {k: _walk(v, on_tensor, on_object) for k, v in batch.items()}  # type: ignore[attr-defined,return-value]
     return _map_other(batch, on_tensor, on_object)  # type: ignore[no-any-return]
 
 
@@ -66,16 +100,16 @@ def _map_other(batch: Any, on_tensor: TensorFn, on_object: ObjectFn | None) -> A
             return result
     cls = type(batch)
     if isinstance(batch, tuple):
-        items = [map_tensors(x, on_tensor, on_object) for x in batch]
+        items = [_walk(x, on_tensor, on_object) for x in batch]
         if hasattr(batch, "_fields"):  # namedtuple: fields are positional arguments
             return cls(*items)
         return _rebuild(cls, items)
     if isinstance(batch, list):
         new_list = copy.copy(batch)  # keeps a subclass's attributes
-        new_list[:] = [map_tensors(x, on_tensor, on_object) for x in batch]
+        new_list[:] = [_walk(x, on_tensor, on_object) for x in batch]
         return new_list
     if isinstance(batch, Mapping):
-        new = {k: map_tensors(v, on_tensor, on_object) for k, v in batch.items()}
+        new = {k: _walk(v, on_tensor, on_object) for k, v in batch.items()}
         if isinstance(batch, dict):
             # copy.copy keeps the type, a defaultdict's factory and any instance attributes;
             # updating existing keys keeps their order.
@@ -86,7 +120,7 @@ def _map_other(batch: Any, on_tensor: TensorFn, on_object: ObjectFn | None) -> A
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         new_obj = copy.copy(batch)
         for field in dataclasses.fields(batch):
-            value = map_tensors(getattr(batch, field.name), on_tensor, on_object)
+            value = _walk(getattr(batch, field.name), on_tensor, on_object)
             object.__setattr__(new_obj, field.name, value)  # works for frozen dataclasses too
         return new_obj
     return batch
@@ -152,6 +186,33 @@ def _slots(obj: Any) -> list[str]:
             if name not in ("__dict__", "__weakref__") and name not in names:
                 names.append(name)
     return names
+
+
+def nesting_depth(batch: Any) -> int:
+    """How many containers deep ``batch`` nests (0 for a leaf), walked without recursion.
+
+    Containers are those :func:`map_tensors` walks (tuples, lists, mappings, dataclasses);
+    each is counted once, at the depth first found, so a batch that contains itself ends.
+    """
+    deepest = 0
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(batch, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if type(obj) in _ATOMS or isinstance(obj, torch.Tensor) or id(obj) in seen:
+            continue
+        if isinstance(obj, (tuple, list)):
+            children: list[Any] = list(obj)
+        elif isinstance(obj, Mapping):
+            children = list(obj.values())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        else:
+            continue
+        seen.add(id(obj))
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def batch_size_of(batch: Any) -> int | None:

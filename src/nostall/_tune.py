@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
-from ._device import DeviceLike, resolve_device
+from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
 from ._global_draws import draws_of, unreported
 from ._prefetcher import prefetch
@@ -225,7 +225,7 @@ def tune(
     Raises:
         TypeError: an argument of the wrong type (``factory`` or ``step`` not callable, a count
             that is not an int, a ``threshold`` that is not a number).
-        ValueError: a count below its minimum, a negative ``threshold``.
+        ValueError: a count below its minimum, a negative ``threshold``, ``device='meta'``.
         ConfigurationError: (a ``ValueError``) the loader loads in this thread but raises in
             another, where nostall.prefetch loads it: its dataset works only in the thread that
             built it (an sqlite3 connection made in ``__init__``, say). Checked before the first
@@ -257,7 +257,7 @@ def tune(
     _arguments.function(
         "nostall.tune", "on_trial", on_trial, optional=True, hint="pass e.g. a logging function"
     )
-    dev = resolve_device(device)
+    dev = resolve_data_device(device)
     knobs = accepted_knobs(factory)
     cores = max_workers if max_workers is not None else (os.cpu_count() or 1)
     curve: list[tuple[Setting, float]] = []
