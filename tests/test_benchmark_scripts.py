@@ -39,6 +39,15 @@ def test_epoch_boundaries_measures_every_way() -> None:
         assert way in done.stdout
 
 
+def test_soak_runs_its_rounds_and_reports_growth(tmp_path: Path) -> None:
+    """The soak's warm-up and one round, checked exact; its growth line and JSON."""
+    out = tmp_path / "soak.json"
+    done = run("soak.py", "--seconds", "0", "--json", str(out))
+    assert 0 == done.returncode, done.stdout + done.stderr
+    assert "growth after warm-up" in done.stdout
+    assert out.read_text().startswith("{")
+
+
 def test_h2d_refuses_without_a_gpu() -> None:
     """Host-to-device rates need CUDA: without it, a clear line and exit status 1."""
     pytest.importorskip("torch")
