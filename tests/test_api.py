@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import pickle
+import re
 import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +105,43 @@ def test_timeout_errors_carry_what_a_program_needs_and_survive_pickling() -> Non
     release.set()
     assert next(it) == 1  # nothing lost
     it.close()
+
+
+PACKAGE = Path(nostall.__file__).parent
+
+
+def _diagram() -> list[str]:
+    """The private modules drawn in ``nostall.__doc__``'s data path, top to bottom."""
+    assert nostall.__doc__ is not None
+    drawing = nostall.__doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    drawn = []
+    for line in drawing.splitlines():
+        names = [
+            n for n in re.findall(r"\b_[a-z][a-z_]*\b", line) if (PACKAGE / f"{n}.py").exists()
+        ]
+        drawn += names[:1]
+    return drawn
+
+
+def _imports(module: str) -> set[str]:
+    """The sibling modules ``nostall/<module>.py`` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module} if node.module else {a.name for a in node.names}
+    return found
+
+
+def test_the_data_path_diagram_draws_the_imports_upward() -> None:
+    """Each module the docstring draws imports, of those drawn, only those above it."""
+    drawn = _diagram()
+    assert len(drawn) > 10, drawn
+    below = {m: set(drawn[i + 1 :]) for i, m in enumerate(drawn)}
+    assert {} == {m: sorted(_imports(m) & below[m]) for m in drawn if _imports(m) & below[m]}
+
+
+def test_the_modules_the_path_shares_import_none_of_it() -> None:
+    """A private module the drawn ones import without drawing it imports none of them."""
+    drawn = set(_diagram())
+    shared = set().union(*(_imports(m) for m in drawn)) - drawn
+    assert {} == {m: sorted(_imports(m) & drawn) for m in shared if _imports(m) & drawn}

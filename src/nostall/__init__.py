@@ -3,17 +3,19 @@
 ``for batch in nostall.prefetch(loader): ...`` yields the loader's batches, in order, already on
 the device: fetched, pinned and copied in the background while the model computes.
 
-The data path, one private module per stage, in the order a batch goes through them; each
-module imports only those above it::
+The data path, one private module per stage, in the order a batch goes through them. Each
+module drawn imports, of those drawn, only those above it (a stage's helpers are drawn above the
+stage that uses them); the modules they share and do not draw (``_exceptions``, ``_device``,
+``_tree``, ``_torch_compat``, ...) import none of them::
 
     source (a DataLoader, a list, a generator)
       |   _fabric         Lightning Fabric's loader: the iter() count that sets its epoch
-      |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
-      |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       |   _threads        threads=: the loader's samples fetched by loading threads, in order
+      |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
+      |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
+      |   _transfer       the moves themselves: pin_memory, to_device, record_stream
       v
     _staging      per batch: pin -> copy on a side CUDA stream -> transform -> ready event
-      |   _transfer       the moves themselves: pin_memory, to_device, record_stream
       v
     _channel      the bounded hand-off between two threads: at most ``depth`` ahead, in order
       ^
@@ -21,15 +23,16 @@ module imports only those above it::
       |           the next epoch's start; in a background thread, or in the consumer's when
       |           it would only wait
       |   _autodepth      how deep depth="auto" may grow: one memory budget
-      v
-    _iteration    next() empties it: the consumer's stream waits, the batch is handed out
       |   _resume         where the consumer is (one Position value), the state_dict from it
       |   _lineage        what one pass hands the next: the position, the producer ahead
+      |   _profile        the waits, recorded when profile=True (and nostall.profile)
+      v
+    _iteration    next() empties it: the consumer's stream waits, the batch is handed out
       v
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
 
-Above the facade, the tools that run it: ``_profile`` (the waits), ``_tune`` (the search, with
-``_thread_safety`` checked before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
+Above the facade, the tools that run it: ``_tune`` (the search, with ``_thread_safety`` checked
+before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
 wrong value); ``_device`` resolves ``device=``.
