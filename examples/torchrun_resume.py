@@ -1,4 +1,4 @@
-"""Resume DDP mid-epoch, every rank from its own checkpoint (gloo on the CPU); see the README."""
+"""Resume DDP mid-epoch, every rank from its own checkpoint (gloo on the CPU)."""
 
 import argparse
 import json

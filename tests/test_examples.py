@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import pages, python_blocks
 from helpers import assert_torchrun_finished
 
 from nostall._specs import load_callable
@@ -141,23 +144,6 @@ def test_gpu_normalize_gives_the_same_batches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("heading", "example"),
-    [
-        ("### Lightning", "lightning_train.py"),
-        ("### accelerate", "accelerate_train.py"),
-        ("### torchrun", "torchrun_resume.py"),
-    ],
-)
-def test_readme_framework_code_is_the_tested_example(heading: str, example: str) -> None:
-    """The README's code under each framework is that example file, which the tests run."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Using nostall with Lightning, accelerate and torchrun", 1)[1]
-    part = section.split(heading + "\n", 1)[1]
-    block = part.split("```python\n", 1)[1].split("\n```", 1)[0]
-    assert (ROOT / "examples" / example).read_text().rstrip("\n") == block
-
-
-@pytest.mark.parametrize(
     ("page", "example"),
     [
         ("fabric.md", "fabric_train.py"),  # run by tests/test_fabric.py
@@ -170,3 +156,74 @@ def test_client_page_code_is_the_tested_example(page: str, example: str) -> None
     text = (ROOT / "docs" / "clients" / page).read_text()
     blocks = [part.split("\n```", 1)[0] for part in text.split("```python\n")[1:]]
     assert [(ROOT / "examples" / example).read_text().rstrip("\n")] == blocks
+
+
+def test_accelerate_page_ends_with_the_tested_example() -> None:
+    """docs/clients/accelerate.md ends with the example file that tests/test_accelerate.py runs."""
+    blocks = python_blocks(ROOT / "docs" / "clients" / "accelerate.md")
+    assert (ROOT / "examples" / "accelerate_train.py").read_text().rstrip("\n") == blocks[-1]
+
+
+BLOCKS = [
+    (page.relative_to(ROOT).as_posix(), index)
+    for page in pages()
+    for index in range(len(python_blocks(page)))
+]
+
+
+def run_block(page: str, index: int, folder: Path, *flags: str) -> None:
+    """Run the block with tests/doc_blocks.py in ``folder`` (empty), as a reader runs it."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "doc_blocks.py"), page, str(index), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert 0 == done.returncode, done.stdout + done.stderr
+    assert "ran" == done.stdout.splitlines()[-1], done.stdout
+
+
+@pytest.mark.parametrize(("page", "index"), BLOCKS)
+def test_doc_block_runs(page: str, index: int, tmp_path: Path) -> None:
+    """A python block of the README or a docs/ page runs, its "cuda" made "cpu"."""
+    run_block(page, index, tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("page", "index"), BLOCKS)
+def test_doc_block_runs_as_written_on_cuda(page: str, index: int, tmp_path: Path) -> None:
+    """A python block of the README or a docs/ page runs as written, on the GPU."""
+    run_block(page, index, tmp_path, "--as-written")
+
+
+def test_readme_reads_in_five_minutes() -> None:
+    """The README stays short: the details live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings."""
+    text = re.sub(r"^```.*?^```$", "", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [*pages(), *sorted((ROOT / "docs" / "clients").glob("*.md"))],
+    ids=lambda page: page.relative_to(ROOT).as_posix(),
+)
+def test_doc_links_resolve(page: Path) -> None:
+    """Every relative link of the README and the docs pages names a file, and a heading in it."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists() or (anchor and anchor not in _anchors(linked)):
+            broken.append(target)
+    assert [] == broken
