@@ -820,3 +820,64 @@ def test_set_epoch_after_loading_a_state_at_an_epoch_end_still_decides() -> None
     with pytest.warns(UserWarning, match="state for epoch 2: the loaded state is dropped"):
         assert sixteen_order(5) == [b.tolist() for b in resumed]
     resumed.close()
+
+
+# -- a source whose len() is an estimate ---------------------------------------------------------
+
+
+class Shares(IterableDataset[int]):
+    """0..n-1, each DataLoader worker yielding its own share: len() counts samples, not batches.
+
+    With 14 samples in batches of 2 between 2 workers, each worker yields 7 samples in 4
+    batches: the loader yields 8 batches where its len() says 7 (torch calls it an estimate).
+    """
+
+    def __init__(self, n: int = 14) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        share = -(-self.n // workers)
+        return iter(range(worker * share, min(self.n, (worker + 1) * share)))
+
+
+def shares_loader() -> DataLoader[int]:
+    return DataLoader(Shares(), batch_size=2, num_workers=2)
+
+
+def state_after(batches: int) -> tuple[list[list[int]], dict[str, Any]]:
+    """Two epochs of the plain loader, and a prefetcher's state after ``batches`` of epoch 0."""
+    plain = [[b.tolist() for b in shares_loader()] for _ in range(2)]
+    assert (7, 8) == (len(shares_loader()), len(plain[0]))
+    p = nostall.prefetch(shares_loader(), "cpu")
+    it = iter(p)
+    for _ in range(batches):
+        next(it)
+    state = roundtrip(p.state_dict())
+    p.close()
+    return plain, state
+
+
+def test_a_state_after_len_batches_of_a_longer_epoch_resumes_its_rest() -> None:
+    """Saved after len() = 7 of 8 batches: the resumed run yields the 8th, then epoch 1."""
+    plain, state = state_after(7)
+    assert (0, 7) == (state["epoch"], state["batches_yielded"])
+    resumed = nostall.prefetch(shares_loader(), "cpu")
+    resumed.load_state_dict(state)
+    rest = [[b.tolist() for b in resumed] for _ in range(2)]
+    resumed.close()
+    assert [plain[0][7:], plain[1]] == rest
+
+
+def test_a_state_past_an_estimated_len_is_loaded() -> None:
+    """Saved after all 8 batches of an epoch whose len() says 7: loaded, not refused."""
+    plain, state = state_after(8)
+    resumed = nostall.prefetch(shares_loader(), "cpu", timeout=60)  # never a silent hang
+    resumed.load_state_dict(state)
+    rest = [[b.tolist() for b in resumed] for _ in range(2)]
+    resumed.close()
+    assert [[], plain[1]] == rest

@@ -294,6 +294,23 @@ class EpochSource:
         """Batches per epoch (``len(source)``), or None for a source without a length."""
         return _length(self.source)
 
+    def counted_length(self) -> int | None:
+        """``len(source)`` where it counts the batches an epoch yields; None where it estimates.
+
+        A map-style ``DataLoader`` (or Fabric's loader over one) yields its batch sampler's
+        batches, a list or tuple its items. torch documents the ``len()`` of a loader over an
+        ``IterableDataset`` as an estimate (with workers each yields its own share, and uneven
+        shares give more batches), and any other source's ``len()`` is only what it says: an
+        epoch of those is complete once its end was seen, not once ``len()`` batches were.
+        """
+        inner = fabric_inner_loader(self.source)
+        loader = self.source if inner is None else inner
+        if isinstance(loader, DataLoader):
+            counted = not isinstance(loader.dataset, IterableDataset)
+        else:
+            counted = type(loader) in (list, tuple)
+        return self.length() if counted else None
+
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
         return epoch_marks(self.source)

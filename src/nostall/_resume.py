@@ -109,10 +109,12 @@ def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
     if saved is AS_BUILT:
         # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
         saved = epochs.start_state()
-    elif handed_out and handed_out == epochs.length() and not epochs.stateful:
+    elif handed_out and handed_out == epochs.counted_length() and not epochs.stateful:
         # Every batch handed out, the end not yet asked for (Lightning never asks): resuming
         # from here starts the next epoch, not an empty rest of this one; how this epoch ended
-        # is replayed if the resumed loop asks for the end.
+        # is replayed if the resumed loop asks for the end. Only where len() counts the
+        # batches: where it estimates them, the epoch may have more, and the state stays
+        # where the user is (what was handed out, not what len() promised).
         end_of = {**saved, "batches": handed_out} if isinstance(saved, dict) else None
         after = epochs.end_state(epoch, saved)
         epoch, handed_out, saved = epoch + 1, 0, {**after, "end_of": end_of}
@@ -176,7 +178,7 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
                 f"state[{key!r}] must be an int >= 0 (got {value!r} that is a "
                 f"{type(value).__name__}); pass a state from Prefetcher.state_dict()"
             )
-    length = epochs.length()
+    length = epochs.counted_length()  # an estimate is no bound: the epoch may have more
     if length is not None and state["batches_yielded"] > length:
         raise ValueError(
             f"state['batches_yielded'] is {state['batches_yielded']}, past the end of an epoch "
