@@ -14,7 +14,9 @@ The dictionary, version :data:`STATE_VERSION`::
      "batches_yielded": n,      # batches of it the user already received
      "source_state": ...,       # a stateful source's own state_dict() (else None)
      "replay": {...},           # else: what the epoch's order was drawn from (random states,
-                                # the sampler's epoch), to draw it again and skip n batches
+                                # the sampler's epoch), to draw it again and skip n batches;
+                                # across epochs, inside an epoch, also "next_rng": torch's
+                                # global generator as the next epoch's order is drawn from it
      "transform": ...}          # a stateful transform's state_dict() (only with one)
 """
 
@@ -118,6 +120,10 @@ def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
         end_of = {**saved, "batches": handed_out} if isinstance(saved, dict) else None
         after = epochs.end_state(epoch, saved)
         epoch, handed_out, saved = epoch + 1, 0, {**after, "end_of": end_of}
+    elif handed_out and isinstance(saved, dict) and not epochs.stateful:
+        # Inside the epoch: how the next epoch's order is drawn, which across epochs the
+        # producer may have done already, before this state or the user's own checkpoint.
+        saved = {**saved, **epochs.next_epoch(epoch)}
     state: dict[str, Any] = {
         "nostall": STATE_VERSION,
         "epoch": epoch,
@@ -222,6 +228,15 @@ def _check_replay(replay: dict[str, Any]) -> None:
                 "Prefetcher.state_dict()"
             )
         _check_replay({k: v for k, v in end_of.items() if k != "batches"})
+    next_rng = replay.get("next_rng")
+    if next_rng is not None:
+        try:
+            torch.Generator().set_state(next_rng)  # the same check a real restore would make
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(
+                f"state['replay']['next_rng'] is not a CPU generator state ({e}); the "
+                f"checkpoint is damaged or not from Prefetcher.state_dict()"
+            ) from e
     sampler_epoch = replay.get("sampler_epoch")
     if sampler_epoch is not None and (
         isinstance(sampler_epoch, bool) or not isinstance(sampler_epoch, int) or sampler_epoch < 0
