@@ -677,6 +677,7 @@ def test_stateful_iterable_dataset_resume_warns() -> None:
         ("epoch", True, r"state\['epoch'\] must be an int"),
         ("rng", torch.zeros(3, dtype=torch.uint8), r"\['rng'\]\['torch'\] is not a CPU generator"),
         ("rng", "junk", r"state\['replay'\]\['rng'\] must be a dict"),
+        ("next_rng", torch.zeros(3, dtype=torch.uint8), r"\['next_rng'\] is not a CPU generator"),
         ("sampler_epoch", -2, "sampler_epoch"),
         ("fresh_iterator", "no", "fresh_iterator"),
     ],
@@ -820,3 +821,192 @@ def test_set_epoch_after_loading_a_state_at_an_epoch_end_still_decides() -> None
     with pytest.warns(UserWarning, match="state for epoch 2: the loaded state is dropped"):
         assert sixteen_order(5) == [b.tolist() for b in resumed]
     resumed.close()
+
+
+# -- the next epoch's order, drawn ahead from the global generator ------------------------------
+
+
+def global_shuffle(threads: int | None = None) -> Any:
+    """A prefetcher across epochs over a loader that shuffles from torch's global generator."""
+    loader = DataLoader(Indices(24), batch_size=3, shuffle=True)
+    return nostall.prefetch(loader, "cpu", depth=3, across_epochs=True, threads=threads)
+
+
+def uninterrupted(make: Callable[[], Any], epochs: int, seed: int = 7) -> list[list[int]]:
+    """The orders of ``epochs`` epochs of a prefetcher from ``make()``, seeded with ``seed``."""
+    torch.manual_seed(seed)
+    p = make()
+    orders = [epoch_lists(p) for _ in range(epochs)]
+    p.close()
+    return orders
+
+
+def wait_for_the_next_epoch_drawn(it: Any, epoch: int) -> None:
+    """Wait until ``it``'s producer opened ``epoch`` ahead and pulled its first batch.
+
+    By then it drew that epoch's order (a RandomSampler draws its seed at its first item): a
+    state or a checkpoint taken now comes after the draw, as a slow consumer's would.
+    """
+    wait_until(
+        lambda: it._puller.epoch == epoch and it._puller.pulled >= 1, f"epoch {epoch} drawn ahead"
+    )
+
+
+def resume_global_shuffle(
+    state: dict[str, Any], checkpoint_rng: torch.Tensor | None, threads: int | None, epochs: int
+) -> list[list[int]]:
+    """A fresh prefetcher over a fresh loader, seeded otherwise, resumed from ``state``.
+
+    ``checkpoint_rng``: restored after ``load_state_dict`` (the README's checkpoint); None:
+    only seeded as the uninterrupted run was.
+    """
+    torch.manual_seed(7 if checkpoint_rng is None else 99)
+    resumed = global_shuffle(threads)
+    resumed.load_state_dict(state)
+    if checkpoint_rng is not None:
+        torch.set_rng_state(checkpoint_rng)
+    orders = [epoch_lists(resumed) for _ in range(epochs)]
+    resumed.close()
+    return orders
+
+
+@pytest.mark.parametrize("restore", [True, False], ids=["checkpoint-rng", "same-seed"])
+@pytest.mark.parametrize("threads", [None, 2])
+def test_a_state_after_the_last_batch_draws_the_order_drawn_ahead(
+    threads: int | None, restore: bool
+) -> None:
+    """Saved after epoch 1's last batch, once epoch 2's order was drawn ahead: that order."""
+    # The state and the checkpoint's random state come after the producer drew epoch 2's order
+    # from torch's generator (forced here; a slow step does the same): the resumed run draws it
+    # from the generator as that draw found it, whichever of the two the checkpoint holds.
+    full = uninterrupted(lambda: global_shuffle(threads), 3)
+    torch.manual_seed(7)
+    p = global_shuffle(threads)
+    epoch_lists(p)  # epoch 0, its end asked for: epochs now open ahead
+    it = iter(p)
+    for _ in range(len(p)):
+        next(it)
+    wait_for_the_next_epoch_drawn(it, 2)
+    state = roundtrip(p.state_dict())
+    checkpoint_rng = torch.get_rng_state()
+    p.close()
+    assert (2, 0) == (state["epoch"], state["batches_yielded"])
+    assert full[2:] == resume_global_shuffle(state, checkpoint_rng if restore else None, threads, 1)
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_a_state_inside_an_epoch_draws_the_next_order_drawn_ahead(threads: int | None) -> None:
+    """Saved one batch before epoch 1's end, once epoch 2's order was drawn ahead: the rest."""
+    full = uninterrupted(lambda: global_shuffle(threads), 3)
+    torch.manual_seed(7)
+    p = global_shuffle(threads)
+    epoch_lists(p)
+    it = iter(p)
+    for _ in range(len(p) - 1):
+        next(it)
+    wait_for_the_next_epoch_drawn(it, 2)
+    state = roundtrip(p.state_dict())
+    checkpoint_rng = torch.get_rng_state()
+    p.close()
+    assert (1, len(p) - 1) == (state["epoch"], state["batches_yielded"])
+    rest = resume_global_shuffle(state, checkpoint_rng, threads, 2)
+    assert [full[1][-3:], full[2]] == rest
+
+
+def test_a_state_at_an_epoch_start_leaves_the_step_its_random_numbers() -> None:
+    """Resumed at an epoch's start, a step draws the uninterrupted run's random numbers."""
+    # The loader has its own generator, so no order is drawn from torch's; the producer pulled
+    # epoch 1's end (recording torch's generator) before epoch 1's last step drew from it.
+
+    def make() -> Any:
+        loader = seeded_loader()  # its orders come from its own generator
+        return nostall.prefetch(loader, "cpu", depth=3, across_epochs=True)
+
+    def steps(p: Any, epochs: int) -> list[tuple[list[int], float]]:
+        return [(b.tolist(), torch.rand(()).item()) for _ in range(epochs) for b in p]
+
+    torch.manual_seed(7)
+    p = make()
+    full = steps(p, 3)
+    p.close()
+    torch.manual_seed(7)
+    p = make()
+    steps(p, 1)  # epoch 0, its end asked for: the next ends are pulled ahead
+    it = iter(p)
+    for i in range(len(p)):
+        next(it)
+        if i == len(p) - 1:
+            wait_for_the_next_epoch_drawn(it, 2)  # epoch 1's end pulled before this step
+        torch.rand(())  # each step draws (dropout)
+    assert [] == list(it)
+    state = roundtrip(p.state_dict())
+    checkpoint_rng = torch.get_rng_state()
+    p.close()
+    torch.manual_seed(99)
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(checkpoint_rng)
+    rest = steps(resumed, 1)
+    resumed.close()
+    assert full[2 * len(p) :] == rest
+
+
+# -- a source whose len() is an estimate ---------------------------------------------------------
+
+
+class Shares(IterableDataset[int]):
+    """0..n-1, each DataLoader worker yielding its own share: len() counts samples, not batches.
+
+    With 14 samples in batches of 2 between 2 workers, each worker yields 7 samples in 4
+    batches: the loader yields 8 batches where its len() says 7 (torch calls it an estimate).
+    """
+
+    def __init__(self, n: int = 14) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        share = -(-self.n // workers)
+        return iter(range(worker * share, min(self.n, (worker + 1) * share)))
+
+
+def shares_loader() -> DataLoader[int]:
+    return DataLoader(Shares(), batch_size=2, num_workers=2)
+
+
+def state_after(batches: int) -> tuple[list[list[int]], dict[str, Any]]:
+    """Two epochs of the plain loader, and a prefetcher's state after ``batches`` of epoch 0."""
+    plain = [[b.tolist() for b in shares_loader()] for _ in range(2)]
+    assert (7, 8) == (len(shares_loader()), len(plain[0]))
+    p = nostall.prefetch(shares_loader(), "cpu")
+    it = iter(p)
+    for _ in range(batches):
+        next(it)
+    state = roundtrip(p.state_dict())
+    p.close()
+    return plain, state
+
+
+def test_a_state_after_len_batches_of_a_longer_epoch_resumes_its_rest() -> None:
+    """Saved after len() = 7 of 8 batches: the resumed run yields the 8th, then epoch 1."""
+    plain, state = state_after(7)
+    assert (0, 7) == (state["epoch"], state["batches_yielded"])
+    resumed = nostall.prefetch(shares_loader(), "cpu")
+    resumed.load_state_dict(state)
+    rest = [[b.tolist() for b in resumed] for _ in range(2)]
+    resumed.close()
+    assert [plain[0][7:], plain[1]] == rest
+
+
+def test_a_state_past_an_estimated_len_is_loaded() -> None:
+    """Saved after all 8 batches of an epoch whose len() says 7: loaded, not refused."""
+    plain, state = state_after(8)
+    resumed = nostall.prefetch(shares_loader(), "cpu", timeout=60)  # never a silent hang
+    resumed.load_state_dict(state)
+    rest = [[b.tolist() for b in resumed] for _ in range(2)]
+    resumed.close()
+    assert [[], plain[1]] == rest

@@ -7,12 +7,13 @@ test_epochs.py (resuming mid-epoch, across epochs, inside frameworks); here, the
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from helpers import CountingTransform
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from nostall._epochs import EpochSource
 from nostall._resume import (
@@ -94,6 +95,28 @@ def test_every_batch_handed_out_resumes_at_the_next_epoch_with_how_this_one_ende
     state = state_of(Position(0, 2, record, None, None), epochs)
     assert (state["epoch"], state["batches_yielded"]) == (1, 0)
     assert state["replay"]["end_of"]["batches"] == 2
+
+
+class SizedStream(IterableDataset[int]):
+    """0..n-1 with a len(): a loader over it has a len() that torch calls an estimate."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+def test_every_batch_len_promises_is_not_the_end_where_len_estimates() -> None:
+    """Over an IterableDataset, the state stays after the batches handed out: more may come."""
+    epochs = EpochSource(DataLoader(SizedStream(4), batch_size=2), across_epochs=False)
+    record = {"rng": {"torch": torch.get_rng_state()}, "sampler_epoch": None}
+    state = state_of(Position(0, 2, record, None, None), epochs)
+    assert (0, 2) == (state["epoch"], state["batches_yielded"])
+    assert "end_of" not in state["replay"]
 
 
 def test_a_saved_state_checks_and_loads_into_a_position() -> None:

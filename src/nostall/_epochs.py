@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -26,6 +27,10 @@ from ._fabric import IterCount, fabric_inner_loader, fabric_over, is_fabric_load
 from ._global_draws import DrawWatch
 from ._threads import Pool, ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
+
+#: Epochs before the latest one opened whose records (``EpochSource.captures``) are kept: the
+#: producer may open several short epochs ahead of a state saved in the first of them.
+KEPT_EPOCHS = 16
 
 
 def set_epoch_targets(source: object) -> list[object]:
@@ -206,7 +211,14 @@ class EpochSource:
         * A loaded state (``resume``) is used by the first epoch opened with its number, then
           dropped.
         * ``captures[e]`` holds what epoch e's order was drawn from, once e is open (until
-          e + 2 is opened).
+          e + KEPT_EPOCHS is opened, or e again). It is recorded before the order is drawn,
+          together with setting the generators it is drawn from, under ``opening``: a reader
+          that holds ``opening`` and finds no record of e knows that e's draws have not begun.
+        * Across epochs the producer draws the next epoch's order from torch's global
+          generator ahead of the consumer, at a moment that depends on the threads: a state
+          saved in epoch e records that generator as e + 1's draw finds it
+          (:meth:`next_draws_from`), and a resumed run draws e + 1 from it where its epochs
+          draw from torch's generator at all.
     """
 
     def __init__(
@@ -250,6 +262,11 @@ class EpochSource:
         self.count = IterCount(source) if is_fabric_loader(source) else None
         self.resume: dict[str, Any] | None = None
         self.captures: dict[int, dict[str, Any]] = {}
+        self.opening = threading.Lock()
+        #: (epoch, state, left): the epoch after a resumed one draws its order from torch's
+        #: global generator in ``state``, as the saved state said, provided the generator is
+        #: still as the resumed epoch ``left`` it (nothing else drew: see :meth:`_opened`).
+        self.follows: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def load(self, state: dict[str, Any]) -> None:
         """A checked state was loaded: its epoch is resumed by the next epoch opened.
@@ -260,6 +277,7 @@ class EpochSource:
         the uninterrupted run drew, and one that calls it still decides.
         """
         self.resume = state
+        self.follows = None
         replay = None if self.stateful else state["replay"]
         if replay is None or state["batches_yielded"]:
             return
@@ -293,6 +311,23 @@ class EpochSource:
     def length(self) -> int | None:
         """Batches per epoch (``len(source)``), or None for a source without a length."""
         return _length(self.source)
+
+    def counted_length(self) -> int | None:
+        """``len(source)`` where it counts the batches an epoch yields; None where it estimates.
+
+        A map-style ``DataLoader`` (or Fabric's loader over one) yields its batch sampler's
+        batches, a list or tuple its items. torch documents the ``len()`` of a loader over an
+        ``IterableDataset`` as an estimate (with workers each yields its own share, and uneven
+        shares give more batches), and any other source's ``len()`` is only what it says: an
+        epoch of those is complete once its end was seen, not once ``len()`` batches were.
+        """
+        inner = fabric_inner_loader(self.source)
+        loader = self.source if inner is None else inner
+        if isinstance(loader, DataLoader):
+            counted = not isinstance(loader.dataset, IterableDataset)
+        else:
+            counted = type(loader) in (list, tuple)
+        return self.length() if counted else None
 
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
@@ -333,9 +368,12 @@ class EpochSource:
         if resume is not None and resume["epoch"] != epoch:
             resume = None
         end_of = None if resume is None or self.stateful else resume["replay"].get("end_of")
-        if end_of and not outside:
+        if end_of and not outside and resume is not None:
             self._ask_for_the_end(epoch - 1, end_of)
-            resume = None
+            # Then as a state saved at this epoch's start: its order drawn from torch's
+            # generator as recorded, the source's own generators as the replayed end left them.
+            replay = resume["replay"]
+            resume = {**resume, "replay": {**replay, "rng": {"torch": replay["rng"]["torch"]}}}
         if self.across_epochs if forward is None else forward:
             forward_set_epoch(self.iterable, epoch)
         skipped = 0 if resume is None else resume["batches_yielded"]
@@ -344,12 +382,17 @@ class EpochSource:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
             return self._iterate(self.iterable), skipped
         if resume is None:
-            self._record(epoch, self._capture())
+            self._opened(epoch)
             return self._iterate(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, replay["sampler_epoch"])
-        return self._replay(epoch, replay, skipped), skipped
+        batches, drew = self._replay(epoch, replay, skipped)
+        follows = replay.get("next_rng")
+        if skipped and drew and follows is not None:
+            with self.opening:
+                self.follows = (epoch + 1, follows, torch.get_rng_state())
+        return batches, skipped
 
     def _ask_for_the_end(self, epoch: int, end_of: dict[str, Any]) -> None:
         """Replay a complete epoch whose end was not asked for yet, and ask for it.
@@ -363,24 +406,32 @@ class EpochSource:
         before = _sampler_epoch(self.source)
         if end_of["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, end_of["sampler_epoch"])
-        for _ in self._replay(epoch, end_of, end_of["batches"]):
+        for _ in self._replay(epoch, end_of, end_of["batches"])[0]:
             pass
         if before is not None:
             forward_set_epoch(self.iterable, before)  # as set for the epoch opening now
 
-    def _replay(self, epoch: int, replay: dict[str, Any], skipped: int) -> Iterator[Any]:
-        """Draw the epoch's order again from ``rng`` and skip the first ``skipped`` batches."""
+    def _replay(
+        self, epoch: int, replay: dict[str, Any], skipped: int
+    ) -> tuple[Iterator[Any], bool]:
+        """Draw the epoch's order again from ``rng`` and skip the first ``skipped`` batches.
+
+        Returns the iterator, and whether drawing the order (and the first batch) drew from
+        torch's global generator.
+        """
         rng = replay["rng"]
         user_rng = torch.get_rng_state()
-        self._restore(rng)
         if self.count is not None:
             self.count.restore(replay)
-        self._record(epoch, {**self._capture(), "fresh_iterator": replay["fresh_iterator"]})
+        self._opened(epoch, rng, fresh_iterator=replay["fresh_iterator"])
+        drew = False
         try:
-            if _persistent(self.source) and not replay["fresh_iterator"]:
+            fresh = live_iterator(self.source) is None
+            if _persistent(self.source) and not replay["fresh_iterator"] and fresh:
                 # A fresh persistent loader's first iter() also draws its workers' base seed,
                 # which the uninterrupted run drew in an earlier epoch: create it, then draw
                 # the order again from the restored state by resetting it with a second iter().
+                # (Once it exists, as after a replayed end, one iter() resets it, as there.)
                 iter(self.source)
                 self._restore(rng)
                 it = iter(self.source)
@@ -391,12 +442,15 @@ class EpochSource:
             # Pull the first batch now: a sampler may draw its order lazily at its first item,
             # and that draw must see the restored state too.
             first = list(itertools.islice(it, 1))
-            return itertools.chain(first, it)
+            drew = not torch.equal(torch.get_rng_state(), rng["torch"])
+            return itertools.chain(first, it), drew
         finally:
-            if skipped:
+            if skipped or not drew:
                 # The draws for this epoch happened before the state was saved, so the global
                 # generator goes back to what the user's own checkpoint restored. At an epoch's
-                # start they happen after it, and the generator stays where they leave it.
+                # start they happen after it, and the generator stays where they leave it; where
+                # there were none, it is the user's (the state's may be older: across epochs
+                # the end of the epoch before is recorded as the producer pulled it).
                 torch.set_rng_state(user_rng)
 
     def batch_state(self, epoch: int) -> Any:
@@ -418,7 +472,7 @@ class EpochSource:
         if drawn is None:
             drawn = self.captures.get(epoch)
         state: dict[str, Any] = {
-            "rng": capture_rng(self.source),
+            "rng": {**capture_rng(self.source), "torch": self.next_draws_from(epoch)},
             "sampler_epoch": None,
             "fresh_iterator": False,
         }
@@ -428,6 +482,35 @@ class EpochSource:
         if self.count is not None:
             state.update(self.count.after(drawn, _sampler_epoch(self.source)))
         return state
+
+    def next_draws_from(self, epoch: int) -> torch.Tensor:
+        """torch's global generator state as epoch ``epoch + 1``'s order finds it when drawn.
+
+        Across epochs the producer opens that epoch as soon as it reaches it, so a state saved
+        in ``epoch`` may come before or after that draw, as the threads ran: as it was when
+        that epoch was opened where it was already; as a resumed state said, where the epoch
+        follows a resumed one; else as it is now, which is what the draw finds when nothing
+        draws from it in between (a step that draws makes the order differ anyway: the README
+        asks for the loader's own ``generator=`` then).
+        """
+        with self.opening:
+            opened = self.captures.get(epoch + 1)
+            if opened is not None:
+                return opened["rng"]["torch"]  # type: ignore[no-any-return]
+            if self.follows is not None and self.follows[0] == epoch + 1:
+                return self.follows[1]
+            return torch.get_rng_state()
+
+    def next_epoch(self, epoch: int) -> dict[str, Any]:
+        """What a state saved inside ``epoch`` records of how the next epoch's order is drawn.
+
+        Only across epochs, where the producer may draw it ahead, and once nothing is pulled
+        in step with the loop (a source that draws is pulled in step, so its next epoch is
+        drawn only when the loop asks for it, after the state was saved).
+        """
+        if self.stateful or not self.across_epochs or self.draws.in_step:
+            return {}
+        return {"next_rng": self.next_draws_from(epoch)}
 
     def start_state(self) -> Any:
         """What a state saved before an epoch's first batch needs.
@@ -440,14 +523,36 @@ class EpochSource:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self._capture()
 
-    def _record(self, epoch: int, captured: dict[str, Any]) -> None:
-        """Keep what ``epoch``'s order was drawn from, and the previous epoch's record.
+    def _opened(
+        self, epoch: int, rng: dict[str, torch.Tensor] | None = None, **fields: Any
+    ) -> None:
+        """Set the generators ``epoch``'s order is drawn from, and record them, as one step.
 
-        A state saved at the previous epoch's end may still ask for it once this epoch was
-        opened ahead; older ones are no longer needed. A new dict each time, so that a reader
-        in another thread sees one whole version.
+        ``rng``: the states to draw it from (a resumed epoch); else the generators as they are,
+        except where ``epoch`` follows a resumed one whose state said how torch's finds it, and
+        nothing drew from torch's since the resumed epoch began: a step that draws makes the
+        order differ anyway, and setting the generator under it would repeat its numbers.
         """
-        kept = {e: c for e, c in self.captures.items() if e == epoch - 1}
+        with self.opening:
+            follows, self.follows = self.follows, None
+            if rng is not None:
+                self._restore(rng)
+            elif (
+                follows is not None
+                and follows[0] == epoch
+                and torch.equal(torch.get_rng_state(), follows[2])
+            ):
+                torch.set_rng_state(follows[1])
+            self._record(epoch, {**self._capture(), **fields})
+
+    def _record(self, epoch: int, captured: dict[str, Any]) -> None:
+        """Keep what ``epoch``'s order was drawn from, and the records of the epochs before it.
+
+        A state saved in an earlier epoch may still ask for them once this epoch was opened
+        ahead (short epochs: several); those of later epochs, from an earlier pass, no longer
+        hold. A new dict each time, so that a reader in another thread sees one whole version.
+        """
+        kept = {e: c for e, c in self.captures.items() if epoch - KEPT_EPOCHS < e < epoch}
         self.captures = {**kept, epoch: captured}
 
     def _capture(self) -> dict[str, Any]:

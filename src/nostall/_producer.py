@@ -55,7 +55,9 @@ class Puller:
         * A source with a length is not asked for anything past its ``expected`` batches
           until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
-          has effects (a ``RandomSampler`` draws once more from the loader's generator).
+          has effects (a ``RandomSampler`` draws once more from the loader's generator). An
+          epoch resumed past them (``len()`` was an estimate) was asked for by the run that
+          saved it.
         * Across epochs, the next epoch is opened (``set_epoch`` called, its order drawn) only
           once the consumer has taken the epoch's end (``taken_end``); until then it may still
           stop early, and a framework may still set the sampler's epoch itself. The consumer
@@ -128,6 +130,10 @@ class Puller:
             self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
         self.untouched = True
         self.expected = self.epochs.length()
+        if self.expected is not None and self.pulled > self.expected:
+            # Resumed past len() batches (where len() is an estimate): the run that saved the
+            # state asked for what follows them, and the consumer asks only at len() itself.
+            self.may_pull_end.set()
 
     # -- either thread, holding pull_lock ------------------------------------------------------
 

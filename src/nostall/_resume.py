@@ -14,7 +14,9 @@ The dictionary, version :data:`STATE_VERSION`::
      "batches_yielded": n,      # batches of it the user already received
      "source_state": ...,       # a stateful source's own state_dict() (else None)
      "replay": {...},           # else: what the epoch's order was drawn from (random states,
-                                # the sampler's epoch), to draw it again and skip n batches
+                                # the sampler's epoch), to draw it again and skip n batches;
+                                # across epochs, inside an epoch, also "next_rng": torch's
+                                # global generator as the next epoch's order is drawn from it
      "transform": ...}          # a stateful transform's state_dict() (only with one)
 """
 
@@ -110,13 +112,19 @@ def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
     if saved is AS_BUILT:
         # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
         saved = epochs.start_state()
-    elif handed_out and handed_out == epochs.length() and not epochs.stateful:
+    elif handed_out and handed_out == epochs.counted_length() and not epochs.stateful:
         # Every batch handed out, the end not yet asked for (Lightning never asks): resuming
         # from here starts the next epoch, not an empty rest of this one; how this epoch ended
-        # is replayed if the resumed loop asks for the end.
+        # is replayed if the resumed loop asks for the end. Only where len() counts the
+        # batches: where it estimates them, the epoch may have more, and the state stays
+        # where the user is (what was handed out, not what len() promised).
         end_of = {**saved, "batches": handed_out} if isinstance(saved, dict) else None
         after = epochs.end_state(epoch, saved)
         epoch, handed_out, saved = epoch + 1, 0, {**after, "end_of": end_of}
+    elif handed_out and isinstance(saved, dict) and not epochs.stateful:
+        # Inside the epoch: how the next epoch's order is drawn, which across epochs the
+        # producer may have done already, before this state or the user's own checkpoint.
+        saved = {**saved, **epochs.next_epoch(epoch)}
     state: dict[str, Any] = {
         "nostall": STATE_VERSION,
         "epoch": epoch,
@@ -173,7 +181,7 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
         )
     for key in ("epoch", "batches_yielded"):
         _check_count(state.get(key), f"state[{key!r}]")
-    length = epochs.length()
+    length = epochs.counted_length()  # an estimate is no bound: the epoch may have more
     if length is not None and state["batches_yielded"] > length:
         raise ValueError(
             f"state['batches_yielded'] is {state['batches_yielded']}, past the end of an epoch "
@@ -281,6 +289,15 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
             )
         _check_count(end_of.get("batches"), f"{where}['end_of']['batches']")
         _check_replay({k: v for k, v in end_of.items() if k != "batches"}, f"{where}['end_of']")
+    next_rng = replay.get("next_rng")
+    if next_rng is not None:
+        try:
+            torch.Generator().set_state(next_rng)  # the same check a real restore would make
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(
+                f"{where}['next_rng'] is not a CPU generator state ({e}); the "
+                f"checkpoint is damaged or not from Prefetcher.state_dict()"
+            ) from e
     sampler_epoch = replay.get("sampler_epoch")
     if sampler_epoch is not None:
         _check_count(sampler_epoch, f"{where}['sampler_epoch']")
