@@ -32,7 +32,8 @@ Above the facade, the tools that run it: ``_profile`` (the waits), ``_tune`` (th
 ``_thread_safety`` checked before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
-wrong value); ``_device`` resolves ``device=``.
+wrong value); ``_device`` resolves ``device=``; every warning goes through ``_warn``, which
+names the user's line.
 """
 
 import types as _types
