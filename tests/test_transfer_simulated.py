@@ -648,7 +648,9 @@ def test_canary_run_concurrently(
 def test_canary_objects_that_cannot_pin_copied_non_blocking(
     sim: Simulation, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def non_blocking_always(self: CudaStaging, out: list[torch.Tensor]) -> Callable[[Any], Any]:
+    def non_blocking_always(
+        self: CudaStaging, out: list[torch.Tensor], due: list[Any]
+    ) -> Callable[[Any], Any]:
         def move(obj: Any) -> Any:
             return obj.to(self.device, non_blocking=True)  # pinned or not
 

@@ -35,7 +35,8 @@ Above the facade, the tools that run it: ``_tune`` (the search, with ``_thread_s
 before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
-wrong value); ``_device`` resolves ``device=``.
+wrong value); ``_device`` resolves ``device=``; every warning goes through ``_warn``, which
+names the user's line.
 """
 
 import types as _types

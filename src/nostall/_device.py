@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
-import warnings
-from types import FrameType
 
 import torch
 
 from ._arguments import kind
 from ._exceptions import DeviceUnavailableError
+from ._warn import warn
 
 DeviceLike = torch.device | str | int | None
 
@@ -51,33 +49,13 @@ def default_device() -> torch.device:
         return torch.device("cuda", current)
     if not _local_rank_guess_announced:
         _local_rank_guess_announced = True
-        warnings.warn(
+        warn(
             f"nostall chose cuda:{rank} from LOCAL_RANK={rank} because this process's current "
             f"CUDA device is still cuda:0; call torch.cuda.set_device({rank}) at the start of "
             f"each rank (or pass device=...) so that the model and the batches are on the same "
-            f"GPU",
-            stacklevel=caller_outside_nostall(),
+            f"GPU"
         )
     return torch.device("cuda", rank)
-
-
-def caller_outside_nostall() -> int:
-    """The ``stacklevel`` that points a warning raised by this function's caller at user code.
-
-    The first frame outside the ``nostall`` package, so that the warning names the user's line
-    (``nostall.prefetch(...)``) rather than whichever nostall function resolved the device.
-    """
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and _in_nostall(frame):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
-def _in_nostall(frame: FrameType) -> bool:
-    name = str(frame.f_globals.get("__name__", ""))
-    return name == "nostall" or name.startswith("nostall.")
 
 
 def resolve_device(device: DeviceLike) -> torch.device:

@@ -41,7 +41,6 @@ import enum
 import random
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
@@ -60,8 +59,8 @@ from torch.utils.data import (
     default_convert,
 )
 
-from ._device import caller_outside_nostall
 from ._torch_compat import index_sampler
+from ._warn import warn
 
 M = TypeVar("M")
 
@@ -244,7 +243,7 @@ class DrawWatch:
             return
         self._reported = True
         if not getattr(_context, "unreported", False):
-            warnings.warn(self.message(), GlobalDrawsWarning, stacklevel=caller_outside_nostall())
+            warn(self.message(), GlobalDrawsWarning)
 
     def message(self) -> str:
         """What drew, what nostall does about it, what it costs, and the fix."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
@@ -42,6 +41,7 @@ from ._producer import Puller, produce
 from ._resume import AS_BUILT
 from ._source_checks import describe, warn_if_hidden_from_framework
 from ._staging import CudaStaging
+from ._warn import warn
 
 if TYPE_CHECKING:
     from ._profile import StallRecorder
@@ -339,12 +339,11 @@ class PrefetchIterator(Iterator[T]):
         if lineage.one_shot and lineage.carry_over(channel):
             return puller
         if lineage.one_shot and lineage.exhausted:
-            warnings.warn(
+            warn(
                 f"nostall: the source {describe(self._source)} is a one-shot iterator that is "
                 f"exhausted, so this epoch is empty; pass a re-iterable source (a DataLoader, a "
                 f"list, or an object whose __iter__ returns a new iterator) to iterate again",
                 UserWarning,
-                stacklevel=3,
             )
             channel.put_ready((END, 0, lineage.epoch, None, None))
             return puller
@@ -414,7 +413,7 @@ class PrefetchIterator(Iterator[T]):
         lineage.marks = now
         outside = readable_epoch(self._source)
         if outside is not None and outside != lineage.epoch:
-            lineage.move_to_epoch(outside, f"the sampler was set to epoch {outside}", stacklevel=5)
+            lineage.move_to_epoch(outside, f"the sampler was set to epoch {outside}")
         return True
 
     def _stop(self, why: str) -> None:

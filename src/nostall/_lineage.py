@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 import weakref
 from typing import Any, Protocol
 
 from . import _exit, _producer, _stacks
 from ._channel import BATCH, POLL_S, Channel
-from ._device import caller_outside_nostall
 from ._epochs import EpochSource
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
 from ._producer import Puller
 from ._resume import Position
+from ._warn import warn
 
 
 class Iteration(Protocol):
@@ -89,21 +88,20 @@ class Lineage:
         """The latest iteration, while it exists (a ``PrefetchIterator``), else None."""
         return self.active() if self.active is not None else None
 
-    def move_to_epoch(self, epoch: int, who: str, *, stacklevel: int) -> None:
+    def move_to_epoch(self, epoch: int, who: str) -> None:
         """The epoch was set to ``epoch`` by ``who``: the position moves there.
 
         ``who`` is the user's ``set_epoch``, or someone else setting the sampler's epoch.
 
-        A state loaded for another epoch is dropped, with a warning at ``stacklevel``; the
+        A state loaded for another epoch is dropped, with a warning at the user's line; the
         position of this epoch, once begun, stands (nothing about the order changed).
         """
         resume, dropped = self.epochs.resume, False
         if resume is not None and resume["epoch"] != epoch:
-            warnings.warn(
+            warn(
                 f"nostall: {who} after load_state_dict() of a state for epoch "
                 f"{resume['epoch']}: the loaded state is dropped",
                 UserWarning,
-                stacklevel=stacklevel,
             )
             self.epochs.resume, dropped = None, True
         at = self.at
@@ -149,14 +147,13 @@ class Lineage:
                 where = _stacks.stuck_at(previous)
                 at = f" ({where})" if str(where) else ""
                 if stuck and self.epochs.independent_epochs():
-                    warnings.warn(
+                    warn(
                         f"nostall: the producer thread {previous.name!r} is still inside the "
                         f"previous epoch's source{at} after timeout={timeout} s; this epoch "
                         f"starts from a new iterator without it, as a DataLoader starts new "
                         f"workers after a timeout. That thread ends when the call returns, "
                         f"and what it loads is dropped",
                         RuntimeWarning,
-                        stacklevel=caller_outside_nostall(),
                     )
                     self.thread = None
                     return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, Literal, TypeVar
@@ -33,6 +32,7 @@ from ._source_checks import (
 from ._stacks import stuck_at
 from ._staging import Staging, staging_for
 from ._threads import check_threadable
+from ._warn import warn
 
 T = TypeVar("T")
 
@@ -389,7 +389,7 @@ class Prefetcher(Generic[T]):
         if lineage.ahead is not None and epoch == lineage.epoch:
             return  # the producer already started this epoch, with set_epoch(epoch)
         lineage.discard_ahead()
-        lineage.move_to_epoch(epoch, f"set_epoch({epoch})", stacklevel=3)
+        lineage.move_to_epoch(epoch, f"set_epoch({epoch})")
         self._resolve_shard()
         _forward_set_epoch(self._source, epoch)
         lineage.marks = lineage.epochs.marks()
@@ -447,11 +447,10 @@ class Prefetcher(Generic[T]):
         if not join_quietly(lineage.thread, wait) and lineage.thread is not None:
             where = stuck_at(lineage.thread)
             at = f" ({where})" if str(where) else ""
-            warnings.warn(
+            warn(
                 f"nostall: producer thread {lineage.thread.name!r} is still inside the source's "
                 f"__next__{at} after close() waited {wait:g} s; it will end when that returns",
                 RuntimeWarning,
-                stacklevel=2,
             )
         lineage.carried = None
 

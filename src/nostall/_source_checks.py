@@ -7,15 +7,13 @@ where a resume cannot be exact. Nothing here changes what is loaded.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, accelerate_is_active, is_dispatcher, prepared_loader_types
-from ._device import caller_outside_nostall
 from ._epochs import has_unreadable_set_epoch
 from ._sharding import distributed_world, is_sharded, unsharded_warning
+from ._warn import warn
 from ._webdataset import shuffle_warning, unreplayable_shuffles
 
 
@@ -46,23 +44,21 @@ def refuse_unsupported(source: object, across_epochs: bool, mirror: ShardMirror 
 def warn_about_epochs(source: object) -> None:
     """With ``across_epochs``: say where the next epoch cannot be as seamless as promised."""
     if _restarts_workers(source):
-        warnings.warn(
+        warn(
             "nostall: across_epochs=True over a DataLoader with workers but without "
             "persistent_workers=True: the next epoch's first batches are fetched early, but "
             "each epoch still starts new worker processes (and copies the dataset into "
             "them). Pass persistent_workers=True to the DataLoader to keep them.",
             UserWarning,
-            stacklevel=4,
         )
     if has_unreadable_set_epoch(source):
-        warnings.warn(
+        warn(
             f"nostall: across_epochs=True, and set_epoch reaches an object of "
             f"{describe(source)} that keeps no readable 'epoch' attribute, so nostall "
             f"cannot notice set_epoch calls made on it directly (as Lightning makes on "
             f"loader.sampler). Call set_epoch on the prefetcher, or give that object an "
             f"'epoch' attribute that its set_epoch sets",
             UserWarning,
-            stacklevel=4,
         )
 
 
@@ -71,13 +67,13 @@ def warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
     if shard is None:
         world = distributed_world()
         if world is not None and issubclass(type(source), DataLoader) and not is_sharded(source):
-            warnings.warn(unsharded_warning(source, *world), UserWarning, stacklevel=5)
+            warn(unsharded_warning(source, *world), UserWarning)
     if (
         accelerate_is_active()
         and issubclass(type(source), DataLoader)
         and not isinstance(source, prepared_loader_types())
     ):
-        warnings.warn(
+        warn(
             "nostall: an accelerate Accelerator is active, but the DataLoader given to "
             "nostall.prefetch was not prepared by it, so accelerate neither shards it nor "
             "places its batches, and accelerator.accumulate() cannot see its epoch's end "
@@ -85,7 +81,6 @@ def warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
             "accelerator.prepare(loader) first, then nostall.prefetch(loader); threads= loads "
             "a prepared loader too (built with num_workers=0)",
             UserWarning,
-            stacklevel=5,
         )
 
 
@@ -98,10 +93,9 @@ def warn_inexact_resume(source: object, epoch: int, handed_out: int, stateful: b
     """
     shuffles = unreplayable_shuffles(source, epoch, handed_out)
     if shuffles:
-        warnings.warn(
+        warn(
             shuffle_warning(shuffles, epoch, handed_out),
             UserWarning,
-            stacklevel=caller_outside_nostall(),
         )
     if stateful:
         warn_inexact_stateful_resume(source, iterable_dataset=not shuffles)
@@ -111,7 +105,7 @@ def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) 
     """Say where a source's own ``state_dict`` cannot resume exactly (torchdata's loader)."""
     generator = getattr(source, "generator", None)
     if isinstance(generator, torch.Generator):
-        warnings.warn(
+        warn(
             "nostall: this loader resumes through its own state_dict(), which does not hold "
             "the state of its generator=: the following epochs draw other orders than an "
             "uninterrupted run (and a loader that draws from it when built, as accelerate's "
@@ -120,7 +114,6 @@ def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) 
             "restore it before the next epoch, or use a plain DataLoader (nostall then "
             "replays its generator)",
             UserWarning,
-            stacklevel=caller_outside_nostall(),
         )
     dataset = getattr(source, "dataset", None)
     if (
@@ -128,14 +121,13 @@ def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) 
         and isinstance(dataset, IterableDataset)
         and not callable(getattr(dataset, "state_dict", None))
     ):
-        warnings.warn(
+        warn(
             f"nostall: this loader resumes its {type(dataset).__qualname__} (an "
             f"IterableDataset without state_dict) by iterating it again and skipping what was "
             f"seen, which is exact only if the dataset yields the same order again; one that "
             f"shuffles from the global random state does not. Give the dataset "
             f"state_dict()/load_state_dict()",
             UserWarning,
-            stacklevel=caller_outside_nostall(),
         )
 
 

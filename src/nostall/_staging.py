@@ -6,7 +6,8 @@ itself), in four ordered steps::
     pin -> copy -> transform (and its checkpoint) -> ready event
 
 :meth:`Staging.hand_out` runs in the consumer thread: on CUDA its current stream waits for the
-ready event and the batch's memory is kept for it (``record_stream``).
+ready event and the batch's memory is kept for it (``record_stream``), and the warnings staging
+found about the batch are raised there, at the user's line (the producer thread has none).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,6 +25,10 @@ import torch
 from . import _copy_streams
 from ._transfer import call_pin_memory, call_to, compact, record_stream
 from ._tree import UNHANDLED, iter_tensors, map_tensors
+from ._warn import warn
+
+#: A warning found while staging a batch: its key (once per process) and its message.
+DueWarning = tuple[tuple[str, type], str]
 
 
 class Staged(NamedTuple):
@@ -38,6 +42,8 @@ class Staged(NamedTuple):
     #: The transform's ``state_dict()`` right after this batch, when it has one: what a
     #: checkpoint taken after handing this batch out must hold.
     transform_state: Any = None
+    #: Warnings about this batch's objects, raised when it is handed out (:func:`_warn_due`).
+    due: tuple[DueWarning, ...] = ()
 
 
 class Staging:
@@ -211,10 +217,11 @@ class CudaStaging(Staging):
     def stage(self, batch: Any) -> Staged:
         """Pin and copy ``batch`` on the copy stream, transform it, record its ready event."""
         copies: list[torch.Tensor] = []
+        due: list[DueWarning] = []
         on_device = [t for t in iter_tensors(batch) if t.device == self.device]
         self._after_source(on_device)
         with torch.cuda.stream(self.stream):
-            moved = map_tensors(batch, self._leaf_mover(copies), self._object_mover(copies))
+            moved = map_tensors(batch, self._leaf_mover(copies), self._object_mover(copies, due))
             protect = copies
             if self.transform is not None:
                 # On the copy stream too: it overlaps the model's compute, and the consumer's
@@ -230,7 +237,7 @@ class CudaStaging(Staging):
             protect = _unique(protect + [t for t in iter_tensors(moved) if t.is_cuda])
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
-        return Staged(moved, ready, protect, transform_state)
+        return Staged(moved, ready, protect, transform_state, tuple(due))
 
     def _after_source(self, on_device: list[torch.Tensor]) -> None:
         """Order the copy stream after the work that wrote the source's device tensors.
@@ -269,13 +276,13 @@ class CudaStaging(Staging):
 
         return move
 
-    def _object_mover(self, out: list[torch.Tensor]) -> Callable[[Any], Any]:
+    def _object_mover(self, out: list[torch.Tensor], due: list[DueWarning]) -> Callable[[Any], Any]:
         device, pin = self.device, self.pin
 
         def move(obj: Any) -> Any:
             if not callable(getattr(obj, "to", None)):
                 return UNHANDLED
-            pinned = _pinned_object(obj) if pin else UNHANDLED
+            pinned = _pinned_object(obj, due) if pin else UNHANDLED
             # non_blocking only from pinned memory: from pageable memory the copy is
             # synchronous anyway, and a non_blocking one hides that.
             if pinned is UNHANDLED:
@@ -288,7 +295,7 @@ class CudaStaging(Staging):
             # Fewer tensors seen after .to() than before (or none on the device, from an
             # object that had some): it kept some where nostall cannot look.
             if before and (not found or len(seen) < before):
-                _warn_hidden_tensors(type(obj), type(moved))
+                _hidden_tensors(type(obj), type(moved), due)
             out.extend(found)
             return moved
 
@@ -313,6 +320,8 @@ class CudaStaging(Staging):
         consumer = torch.cuda.current_stream(self.device)
         self._wait(consumer, staged.ready)
         self._keep_for_consumer(consumer, staged.tensors)
+        if staged.due:
+            _warn_due(staged.due)
         return staged.batch
 
     @staticmethod
@@ -334,14 +343,14 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
 
 
-def _pinned_object(obj: Any) -> Any:
+def _pinned_object(obj: Any, due: list[DueWarning]) -> Any:
     """``obj`` ready for a ``non_blocking`` copy, or :data:`UNHANDLED` (then copied blocking).
 
     In order: its own ``pin_memory()``; a Mapping or dataclass with ``.to()`` and no
     ``pin_memory()`` (Hugging Face's ``BatchEncoding``, many collators' outputs) gets a copy
     with its values pinned, as torch's own ``pin_memory`` treats a Mapping; an object whose
     every tensor nostall can see is pinned already goes as it is. Anything else is warned
-    about once per type: its tensors may be pageable.
+    about once per type (added to ``due``): its tensors may be pageable.
     """
     pinned = call_pin_memory(obj)
     if pinned is not UNHANDLED:
@@ -359,7 +368,7 @@ def _pinned_object(obj: Any) -> Any:
     tensors = list(iter_tensors(obj))
     if tensors and all(t.device.type != "cpu" or t.is_pinned() for t in tensors):
         return obj
-    _warn_unpinnable(type(obj))
+    _unpinnable(type(obj), due)
     return UNHANDLED
 
 
@@ -379,36 +388,48 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
 
 
-_UNPINNABLE_WARNED: set[type] = set()
-_HIDDEN_WARNED: set[type] = set()
+#: The warnings raised so far, by key: each once per process.
+_WARNED: set[tuple[str, type]] = set()
 
 
-def _warn_unpinnable(kind: type) -> None:
+def _warn_due(due: tuple[DueWarning, ...]) -> None:
+    """Raise the warnings found while staging a batch, in the consumer's thread.
+
+    Each key is marked warned here, when raised, not when found: a batch fetched ahead and
+    never handed out (a loop that breaks) takes no warning with it.
+    """
+    for key, message in due:
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warn(message)
+
+
+def _unpinnable(kind: type, due: list[DueWarning]) -> None:
     """Once per type: its copies to the GPU may be synchronous, and how to make them overlap."""
-    if kind in _UNPINNABLE_WARNED:
+    key = ("unpinnable", kind)
+    if key in _WARNED:
         return
-    _UNPINNABLE_WARNED.add(kind)
-    warnings.warn(
+    message = (
         f"{kind.__qualname__} objects have .to() but no .pin_memory(), and nostall cannot see "
         f"that all their tensors are pinned: their copies to the GPU may be from pageable "
         f"memory, which blocks the producer until each copy is done; give "
         f"{kind.__qualname__} a pin_memory() method that returns a copy in pinned memory (as "
-        f"tensor.pin_memory() does) to let the copies overlap the model's work",
-        stacklevel=2,
+        f"tensor.pin_memory() does) to let the copies overlap the model's work"
     )
+    due.append((key, message))
 
 
-def _warn_hidden_tensors(kind: type, moved: type) -> None:
+def _hidden_tensors(kind: type, moved: type, due: list[DueWarning]) -> None:
     """Once per type: what its ``.to()`` returned hides tensors nostall cannot protect."""
-    if kind in _HIDDEN_WARNED:
+    key = ("hidden", kind)
+    if key in _WARNED:
         return
-    _HIDDEN_WARNED.add(kind)
-    warnings.warn(
+    message = (
         f"{kind.__qualname__}.to() returned a {moved.__qualname__} in which nostall cannot find "
         f"all the tensors it copied to the GPU (they are kept where nostall does not look: a C "
         f"object, a closure, ...): their memory is not protected for your stream, and the "
         f"caching allocator may hand it to the next batch's copy while your kernels still "
         f"read it. Keep the tensors in attributes, fields, lists, tuples, dicts or sets, or "
-        f"synchronize (torch.cuda.current_stream().synchronize()) before dropping a batch",
-        stacklevel=2,
+        f"synchronize (torch.cuda.current_stream().synchronize()) before dropping a batch"
     )
+    due.append((key, message))

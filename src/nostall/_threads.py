@@ -45,7 +45,6 @@ import os
 import random
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -59,13 +58,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import _exit
 from ._accelerate import prepared_loader_types, unthreadable_shard
-from ._device import caller_outside_nostall
 from ._exceptions import add_note
 from ._exit import track
 from ._fabric import is_fabric_loader, threads_refusal
 from ._stacks import short, stuck_at
 from ._torch_compat import auto_collation, index_sampler, pinning_like
 from ._transformers import is_trainer_seed_worker
+from ._warn import warn
 
 #: Seconds a loading thread waits for work before it ends.
 IDLE_S = 0.2
@@ -162,7 +161,7 @@ def check_threadable(source: object, threads: object) -> int | None:
             f"threads do its loading{trainer}), or leave threads out to keep the processes"
         )
     if loader.worker_init_fn is not None and not is_trainer_seed_worker(loader.worker_init_fn):
-        warnings.warn(
+        warn(
             f"nostall.prefetch(threads={threads}): this DataLoader's worker_init_fn "
             f"({getattr(loader.worker_init_fn, '__qualname__', loader.worker_init_fn)!r}) is not "
             f"called: loading threads are not worker processes, and they share one dataset "
@@ -170,7 +169,6 @@ def check_threadable(source: object, threads: object) -> int | None:
             f"each thread instead (threading.local(), get_worker_info().id), or draw from "
             f"torch.thread_safe_generator(); leave threads out to keep worker processes",
             UserWarning,
-            stacklevel=caller_outside_nostall(),
         )
     return threads
 
@@ -284,12 +282,11 @@ class Pool:
         if self.live:
             if not self.warned:
                 self.warned = True
-                warnings.warn(
+                warn(
                     f"nostall: could not start loading thread {name!r} ({error}); loading with "
                     f"the {self.live} running, out of threads={self.size}: lower threads= or "
                     f"the process's other threads",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
             return
         self.tasks.pop()  # the task just queued: no thread will run it
