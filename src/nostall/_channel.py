@@ -8,6 +8,7 @@ runs ahead and hands the messages over in the order they were put.
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 import time
@@ -19,20 +20,28 @@ from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDi
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
 
-# Kinds of message on a channel.
-BATCH = "batch"
-END = "end"
-#: An error in one batch (its ``next(source)``, its move or transform): the epoch goes on, as a
-#: DataLoader's iterator does after a batch raised.
-ERROR = "error"
-#: An error that ends the epoch: ``iter(source)`` failed, or not an ``Exception`` (e.g. a
-#: ``KeyboardInterrupt`` inside the source).
-FAILED = "failed"
+class Kind(enum.Enum):
+    """What a message on a channel carries."""
+
+    #: A staged batch.
+    BATCH = "batch"
+    #: The epoch's end (payload: its batch count).
+    END = "end"
+    #: An error in one batch (its ``next(source)``, its move or transform): the epoch goes on,
+    #: as a DataLoader's iterator does after a batch raised.
+    ERROR = "error"
+    #: An error that ends the epoch: ``iter(source)`` failed, or not an ``Exception`` (e.g. a
+    #: ``KeyboardInterrupt`` inside the source).
+    FAILED = "failed"
+
+
+# The kinds by name, compared with ``is`` on the hand-off path.
+BATCH, END, ERROR, FAILED = Kind.BATCH, Kind.END, Kind.ERROR, Kind.FAILED
 
 #: (kind, payload, epoch, state, hook): a staged batch, an epoch's end (payload: its batch
 #: count) or an error; the epoch it belongs to; what a state saved right after it needs; what
 #: the source's framework must see when it is handed out (see ``EpochSource.after_pull``).
-Message = tuple[str, Any, int, Any, Any]
+Message = tuple[Kind, Any, int, Any, Any]
 
 #: Pulls a message in the consumer's thread, or returns None when it may not (see
 #: :meth:`Channel.get`).

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Message
+from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
 from ._exit import track, wind_down
@@ -236,7 +236,7 @@ class Puller:
         self.marks[epoch] = after if after == before else STALE
 
     def _with_state(
-        self, kind: str, payload: Any, epoch: int, state: Callable[[], Any], hook: Any
+        self, kind: Kind, payload: Any, epoch: int, state: Callable[[], Any], hook: Any
     ) -> Message:
         try:
             return kind, payload, epoch, state(), hook
