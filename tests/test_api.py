@@ -29,6 +29,7 @@ def test_the_gpu_toolkit_is_its_own_tier() -> None:
     toolkit = set(nostall.cuda.__all__)
     assert toolkit == {
         "DeviceInfo",
+        "Measured",
         "MemoryReport",
         "Timer",
         "Timing",
