@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished, lightning_seed_unset
+from helpers import (
+    assert_torchrun_finished,
+    lightning_seed_unset,
+    run_process_group,
+    run_torchrun,
+)
 
 import nostall
 
@@ -182,36 +185,16 @@ Ranks = dict[int, dict[str, Any]]
 def launch(out: Path, runs: tuple[str, ...], *, torchrun: bool = False) -> None:
     """Run fabric_run.py on 2 ranks: rank 0 starting rank 1 (``fabric.launch()``), or torchrun.
 
-    If it hangs, both ranks are stopped (SIGTERM to the group, which torchrun passes on to its
-    workers, then SIGKILL).
+    If it hangs, both ranks are stopped (:func:`helpers.run_process_group`).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LT_"))}
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command = [sys.executable, *(runner if torchrun else []), str(SCRIPT), str(out)]
-    command += ["--devices", "2", *runs]
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,  # the ranks it starts join its group: one signal reaches all
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                stdout, stderr = process.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                stdout, stderr = process.communicate()
-            pytest.fail(f"fabric_run.py {runs} hung:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    args = [str(out), "--devices", "2", *runs]
+    if torchrun:
+        done = run_torchrun(SCRIPT, *args, timeout=240, env=env)
+    else:
+        done = run_process_group([sys.executable, str(SCRIPT), *args], timeout=240, env=env)
     assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
 
 

@@ -6,11 +6,14 @@ test_epochs.py, test_exit.py); here, what belongs to the iterator alone.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from helpers import refused_thread_starts, wait_for_no_nostall_threads, wait_until
+from helpers import (
+    SleepingSource,
+    refused_thread_starts,
+    wait_for_no_nostall_threads,
+    wait_until,
+)
 from torch.utils.data import DataLoader
 
 import nostall
@@ -82,20 +85,8 @@ def test_running_is_true_only_between_the_first_next_and_the_end() -> None:
     assert not it.running
 
 
-class Slow:
-    """A source whose batches each take a few ms: a fast loop finds nothing ready."""
-
-    def __len__(self) -> int:
-        return 12
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(12):
-            time.sleep(0.005)
-            yield torch.full((4,), i)
-
-
 def test_the_depth_auto_chose_is_readable_during_and_after_the_epoch() -> None:
-    prefetcher = nostall.prefetch(Slow(), "cpu", depth="auto")
+    prefetcher = nostall.prefetch(SleepingSource(12, 0.005, (4,)), "cpu", depth="auto")
     assert prefetcher.current_depth == 1
     it = iter(prefetcher)
     for _ in range(6):
@@ -110,7 +101,7 @@ def test_the_depth_auto_chose_is_readable_during_and_after_the_epoch() -> None:
 
 
 def test_a_fixed_depth_is_the_current_depth() -> None:
-    prefetcher = nostall.prefetch(Slow(), "cpu", depth=3)
+    prefetcher = nostall.prefetch(SleepingSource(12, 0.005, (4,)), "cpu", depth=3)
     assert prefetcher.current_depth == 3
     for _ in prefetcher:
         pass

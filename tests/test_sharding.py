@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished
+from helpers import assert_torchrun_finished, run_torchrun
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 import nostall
 from nostall import _sharding, _source_checks
-
-#: Where the nostall under test lives: the ranks import the same one.
-SRC = Path(nostall.__file__).resolve().parent.parent
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
@@ -201,13 +196,7 @@ def test_two_gloo_ranks_shard_every_epoch_after_init(tmp_path: Path) -> None:
     """torchrun, two ranks: the sanity epoch before init loads all; then disjoint halves."""
     script = tmp_path / "run.py"
     script.write_text(SANITY_THEN_DDP)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        capture_output=True, text=True, timeout=150, env=env, check=False,
-    )  # fmt: skip
+    done = run_torchrun(script, timeout=150)
     assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
     line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
     ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0
