@@ -9,15 +9,31 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.utils.data
 
 #: The repository root: scripts and examples are named from it, and subprocesses run in it.
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+@overload
+def as_dataset(items: torch.Tensor) -> torch.utils.data.Dataset[torch.Tensor]: ...
+@overload
+def as_dataset(items: Sequence[T]) -> torch.utils.data.Dataset[T]: ...
+def as_dataset(items: Sequence[T] | torch.Tensor) -> torch.utils.data.Dataset[Any]:
+    """``items`` (a list, a range, a tensor) as the ``Dataset`` DataLoader's annotation asks for.
+
+    A DataLoader indexes any sequence (``len(items)``, ``items[i]``), a tensor by its first
+    dimension; only torch's type hints want a ``Dataset`` subclass. The same object is
+    returned, unchanged: only its type is cast.
+    """
+    return cast("torch.utils.data.Dataset[Any]", items)
 
 
 def nostall_threads() -> list[threading.Thread]:
@@ -401,7 +417,7 @@ def refused_thread_starts(prefix: str, refusals: int | None = None) -> Iterator[
             raise RuntimeError("can't start new thread")
         start(thread)
 
-    threading.Thread.start = refusing_start  # type: ignore[method-assign]
+    threading.Thread.start = refusing_start  # type: ignore[method-assign,assignment]
     try:
         yield refused
     finally:

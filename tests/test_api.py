@@ -79,7 +79,7 @@ def test_report_without_profiling_is_a_runtime_error() -> None:
     assert isinstance(info.value, nostall.ProfilingDisabledError)
     assert isinstance(info.value, nostall.NostallError)
     with pytest.raises(TypeError):
-        nostall.prefetch([1], "cpu", profile=True).report(True)  # type: ignore[misc]
+        nostall.prefetch([1], "cpu", profile=True).report(True)  # type: ignore[call-arg]
 
 
 def test_timeout_errors_carry_what_a_program_needs_and_survive_pickling() -> None:

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -221,10 +222,10 @@ def test_rates_say_their_spread() -> None:
 
 
 def test_the_recommendation_is_the_code_to_write() -> None:
-    def make_loader(num_workers=0, persistent_workers=False):  # type: ignore[no-untyped-def]
+    def make_loader(num_workers: int = 0, persistent_workers: bool = False) -> list[Any]:
         return []
 
-    def normalize(batch):  # type: ignore[no-untyped-def]
+    def normalize(batch: Any) -> Any:
         return batch
 
     cpu = torch.device("cpu")
@@ -239,7 +240,7 @@ def test_the_recommendation_is_the_code_to_write() -> None:
 
 
 def test_the_recommendation_names_the_loading_threads() -> None:
-    def make_loader(num_workers=0):  # type: ignore[no-untyped-def]
+    def make_loader(num_workers: int = 0) -> list[Any]:
         return []
 
     code = recommend(make_loader, Setting(0, 2, 4), torch.device("cpu"), None)
@@ -312,7 +313,7 @@ def test_diagnosis_of_a_slow_loader(user_module: str) -> None:
     diagnosis = diagnose(factory, step=step, device="cpu", max_batches=120)
     assert "input-bound" == diagnosis.bound
     assert diagnosis.step_rate is not None
-    assert diagnosis.load_rate < diagnosis.step_rate
+    assert diagnosis.load.median < diagnosis.step_rate
     assert diagnosis.speedup is not None
     assert diagnosis.speedup > 1.3  # two workers where the factory used none
     assert 2 == diagnosis.best[0].num_workers
@@ -620,7 +621,7 @@ def test_output_paths_are_checked_before_measuring(
 
 
 def test_a_recommendation_that_changes_the_draws_says_so_in_the_code() -> None:
-    def make_loader(num_workers=0):  # type: ignore[no-untyped-def]
+    def make_loader(num_workers: int = 0) -> list[Any]:
         return []
 
     cpu = torch.device("cpu")

@@ -86,7 +86,8 @@ def test_report_needs_profile_true() -> None:
 
 def test_zero_batches_give_a_report_of_zeros() -> None:
     """An empty source is not an error."""
-    wrapped = nostall.profile([], device="cpu")
+    nothing: list[torch.Tensor] = []
+    wrapped = nostall.profile(nothing, device="cpu")
     assert [] == list(wrapped)
     report = wrapped.report()
     assert (0, 0.0, 0.0, None) == (
@@ -270,7 +271,7 @@ def test_the_first_batch_of_each_epoch_is_reported_apart_from_the_steady_waits()
         def __len__(self) -> int:
             return 6
 
-        def __iter__(self):  # type: ignore[no-untyped-def]
+        def __iter__(self) -> Iterator[torch.Tensor]:
             time.sleep(0.5)  # start-up: the first batch of each epoch waits for it
             yield from (torch.ones(2) for _ in range(6))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished, run_torchrun
+from helpers import as_dataset, assert_torchrun_finished, run_torchrun
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 import nostall
@@ -28,8 +28,8 @@ def indices(batches: Any) -> list[int]:
 
 def lightning_like(loader: DataLoader[int], rank: int, world: int, epoch: int) -> list[int]:
     """What Lightning injects: DistributedSampler(shuffle=..., seed=PL_GLOBAL_SEED)."""
-    sampler = DistributedSampler(
-        loader.dataset,  # type: ignore[arg-type]
+    sampler: DistributedSampler[int] = DistributedSampler(
+        loader.dataset,
         num_replicas=world,
         rank=rank,
         shuffle=isinstance(loader.sampler, torch.utils.data.RandomSampler),
@@ -48,7 +48,7 @@ def test_shard_true_gives_each_rank_what_lightning_would(
     """Per rank and epoch, the indices of a DistributedSampler built as Lightning builds it."""
     as_rank(monkeypatch, rank, 2)
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # Lightning's seed_everything() exports it
-    loader = DataLoader(list(range(21)), batch_size=4, shuffle=shuffle)
+    loader = DataLoader(as_dataset(list(range(21))), batch_size=4, shuffle=shuffle)
     p = nostall.prefetch(loader, "cpu", shard=True, across_epochs=True)
     assert 3 == len(p)  # 11 of 21 samples on this rank, in batches of 4
     assert isinstance(p.sampler, DistributedSampler)
@@ -64,7 +64,9 @@ def test_ranks_together_see_every_sample_once(monkeypatch: pytest.MonkeyPatch) -
     seen = []
     for rank in (0, 1):
         as_rank(monkeypatch, rank, 2)
-        p = nostall.prefetch(DataLoader(list(range(20)), batch_size=3, shuffle=True), shard=True)
+        p = nostall.prefetch(
+            DataLoader(as_dataset(list(range(20))), batch_size=3, shuffle=True), shard=True
+        )
         seen += indices(p)
         p.close()
     assert list(range(20)) == sorted(seen)
@@ -73,7 +75,7 @@ def test_ranks_together_see_every_sample_once(monkeypatch: pytest.MonkeyPatch) -
 def test_unsharded_loader_in_a_multi_rank_run_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every rank would load all the data: the warning names DistributedSampler and shard=."""
     as_rank(monkeypatch, 0, 2)
-    p = nostall.prefetch(DataLoader(list(range(8)), batch_size=2), "cpu")
+    p = nostall.prefetch(DataLoader(as_dataset(list(range(8))), batch_size=2), "cpu")
     with pytest.warns(UserWarning, match=r"no DistributedSampler.*shard=True"):
         assert list(range(8)) == indices(p)
     p.close()
@@ -86,18 +88,22 @@ def test_no_warning_when_told_or_already_sharded(monkeypatch: pytest.MonkeyPatch
     as_rank(monkeypatch, 0, 2)
     data = list(range(8))
     if how == "shard=False":
-        p = nostall.prefetch(DataLoader(data, batch_size=2), "cpu", shard=False)
+        p = nostall.prefetch(DataLoader(as_dataset(data), batch_size=2), "cpu", shard=False)
         assert data == indices(p)
     else:
-        sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)  # type: ignore[arg-type]
-        p = nostall.prefetch(DataLoader(data, batch_size=2, sampler=sampler), "cpu", shard=True)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            as_dataset(data), num_replicas=2, rank=0, shuffle=False
+        )
+        p = nostall.prefetch(
+            DataLoader(as_dataset(data), batch_size=2, sampler=sampler), "cpu", shard=True
+        )
         assert [0, 2, 4, 6] == indices(p)
     p.close()
 
 
 def test_shard_true_in_a_single_process_changes_nothing() -> None:
     """Without a process group of several ranks, the loader is used as it is."""
-    p = nostall.prefetch(DataLoader(list(range(6)), batch_size=2), "cpu", shard=True)
+    p = nostall.prefetch(DataLoader(as_dataset(list(range(6))), batch_size=2), "cpu", shard=True)
     assert list(range(6)) == indices(p)
     p.close()
 
@@ -115,7 +121,7 @@ def test_shard_true_refuses_what_it_cannot_split() -> None:
         nostall.prefetch(DataLoader(Stream()), shard=True)
     weighted = WeightedRandomSampler([1.0] * 4, 4)
     with pytest.raises(ValueError, match="WeightedRandomSampler"):
-        nostall.prefetch(DataLoader(list(range(4)), sampler=weighted), shard=True)
+        nostall.prefetch(DataLoader(as_dataset(list(range(4))), sampler=weighted), shard=True)
     with pytest.raises(TypeError, match=r"shard=\.\.\.\) must be True, False or None"):
         nostall.prefetch(DataLoader(list(range(4))), shard="yes")  # type: ignore[arg-type]
 
@@ -128,7 +134,7 @@ def test_epochs_after_the_group_came_up_are_sharded(
     monkeypatch: pytest.MonkeyPatch, threads: int | None, across_epochs: bool
 ) -> None:
     """An epoch before init loads everything; each epoch set after it gets this rank's part."""
-    loader = DataLoader(list(range(21)), batch_size=4, shuffle=True)
+    loader = DataLoader(as_dataset(list(range(21))), batch_size=4, shuffle=True)
     p = nostall.prefetch(loader, "cpu", shard=True, threads=threads, across_epochs=across_epochs)
     assert list(range(21)) == sorted(indices(p))  # no world yet: the whole loader
     as_rank(monkeypatch, 1, 2)  # init_process_group
@@ -142,7 +148,7 @@ def test_epoch_under_way_when_the_group_came_up_ends_unsharded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The epoch begun before init ends as it began; the next one is sharded, at epoch 1."""
-    loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    loader = DataLoader(as_dataset(list(range(20))), batch_size=4, shuffle=True)
     p = nostall.prefetch(loader, "cpu", shard=True)
     it = iter(p)
     first = next(it)
@@ -157,13 +163,17 @@ def test_state_saved_once_the_group_came_up_resumes_the_shard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A state saved between the unsharded epoch and the first sharded one resumes the latter."""
-    p = nostall.prefetch(DataLoader(list(range(20)), batch_size=4, shuffle=True), shard=True)
+    p = nostall.prefetch(
+        DataLoader(as_dataset(list(range(20))), batch_size=4, shuffle=True), shard=True
+    )
     indices(p)
     as_rank(monkeypatch, 0, 2)
     state = p.state_dict()  # before epoch 1, which nostall counted (no set_epoch)
     expected = indices(p)
     p.close()
-    again = nostall.prefetch(DataLoader(list(range(20)), batch_size=4, shuffle=True), shard=True)
+    again = nostall.prefetch(
+        DataLoader(as_dataset(list(range(20))), batch_size=4, shuffle=True), shard=True
+    )
     again.load_state_dict(state)
     assert expected == indices(again)
     again.close()

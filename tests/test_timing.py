@@ -89,9 +89,16 @@ def test_timeit_rejects_bad_counts() -> None:
 def test_run_concurrently_on_the_cpu_runs_in_order() -> None:
     """Without CUDA the callables run one after the other; results in order."""
     order: list[int] = []
-    results = nostall.cuda.run_concurrently(
-        lambda: order.append(1) or "a", lambda: order.append(2) or "b", device="cpu"
-    )
+
+    def first() -> str:
+        order.append(1)
+        return "a"
+
+    def second() -> str:
+        order.append(2)
+        return "b"
+
+    results = nostall.cuda.run_concurrently(first, second, device="cpu")
     assert ["a", "b"] == results
     assert [1, 2] == order
 
@@ -129,14 +136,14 @@ def test_cuda_run_concurrently_prevents_the_seed_004_race() -> None:
     n = 1 << 26
 
     def fill(x: torch.Tensor) -> None:
-        torch.cuda._sleep(50_000_000)  # keep the default stream busy
+        torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # keep the default stream busy
         x.fill_(1.0)
 
     # Every allocation is made before the race: a cudaMalloc (a stream's first allocation of
     # a size) may synchronise the whole device and so hide the race (seen on an H100: the
     # test passed the wrong example when x and the side stream's sum output were new blocks).
     x = torch.zeros(n, device="cuda")
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(side):
         x.sum()  # the side stream's pool now holds what a sum allocates
     torch.cuda.synchronize()

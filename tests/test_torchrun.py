@@ -30,7 +30,8 @@ def torchrun(checkpoint: Path, *args: str) -> None:
 
 
 def seen(checkpoint: Path, rank: int) -> dict[str, list[int]]:
-    return json.loads((checkpoint / f"seen-rank{rank}.json").read_text())
+    recorded: dict[str, list[int]] = json.loads((checkpoint / f"seen-rank{rank}.json").read_text())
+    return recorded
 
 
 @pytest.fixture(scope="module")
