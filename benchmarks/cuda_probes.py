@@ -59,7 +59,7 @@ def graph_capture_while_prefetching() -> None:
     pageable = [torch.randn(4096, 4096) for _ in range(24)]  # 64 MiB: pinning takes a while
     model = torch.nn.Linear(64, 64, device="cuda")
     static = torch.randn(8, 64, device="cuda")
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         model(static)  # warm-up outside capture
@@ -115,7 +115,7 @@ class _GpuWork(Dataset[torch.Tensor]):
 def loading_threads_device_and_stream() -> None:
     """Which device and stream loading threads run a dataset's GPU work on."""
     dataset = _GpuWork()
-    consumer = torch.cuda.Stream()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(consumer):
         for batch in nostall.prefetch(DataLoader(dataset, batch_size=4), "cuda", threads=2):
             batch.sum()

@@ -4,13 +4,36 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.utils.data
+
+#: The repository root: scripts and examples are named from it, and subprocesses run in it.
+ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+@overload
+def as_dataset(items: torch.Tensor) -> torch.utils.data.Dataset[torch.Tensor]: ...
+@overload
+def as_dataset(items: Sequence[T]) -> torch.utils.data.Dataset[T]: ...
+def as_dataset(items: Sequence[T] | torch.Tensor) -> torch.utils.data.Dataset[Any]:
+    """``items`` (a list, a range, a tensor) as the ``Dataset`` DataLoader's annotation asks for.
+
+    A DataLoader indexes any sequence (``len(items)``, ``items[i]``), a tensor by its first
+    dimension; only torch's type hints want a ``Dataset`` subclass. The same object is
+    returned, unchanged: only its type is cast.
+    """
+    return cast("torch.utils.data.Dataset[Any]", items)
 
 
 def nostall_threads() -> list[threading.Thread]:
@@ -74,24 +97,47 @@ def assert_same_tree(expected: Any, actual: Any, where: str = "batch") -> None:
         assert expected == actual, f"{where}: {expected!r} != {actual!r}"
 
 
-class CountingSource:
-    """A re-iterable source of ``n`` int tensors that counts what was pulled from it."""
+class SleepingSource:
+    """A re-iterable source of ``n`` batches, each ``delay`` seconds late: a slow loader.
 
-    def __init__(self, n: int, delay: float = 0.0) -> None:
-        self.n, self.delay = n, delay
-        self.iters = 0
-        self.pulled = 0
+    Batch ``i`` is ``torch.full(shape, i, dtype=dtype)`` (``tensor([i])`` by default), made
+    after its sleep, so a consumer that pulls it waits the whole delay. ``len()`` is ``n``;
+    ``iter(SleepingSource(...))`` is the one-shot generator, without ``len``, of a plain
+    ``def source(): ... yield``.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        delay: float,
+        shape: tuple[int, ...] = (1,),
+        dtype: torch.dtype = torch.int64,
+    ) -> None:
+        self.n, self.delay, self.shape, self.dtype = n, delay, shape, dtype
 
     def __len__(self) -> int:
         return self.n
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        self.iters += 1
         for i in range(self.n):
             if self.delay:
                 time.sleep(self.delay)
+            yield torch.full(self.shape, i, dtype=self.dtype)
+
+
+class CountingSource(SleepingSource):
+    """A re-iterable source of ``n`` int tensors that counts what was pulled from it."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        super().__init__(n, delay)
+        self.iters = 0
+        self.pulled = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.iters += 1
+        for batch in super().__iter__():
             self.pulled += 1
-            yield torch.tensor([i])
+            yield batch
 
 
 class RaisingSource:
@@ -261,6 +307,63 @@ def bench_result(values: dict[tuple[str, str, str, str], list[float]], load: flo
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+def run_process_group(
+    command: list[str], *, timeout: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command``, which starts processes of its own (ranks), from the repository root.
+
+    The ranks import this checkout's nostall (its ``src`` first on ``PYTHONPATH``). The command
+    runs in a new session, so the processes it starts share its process group: if it has not
+    finished after ``timeout`` seconds the whole group is stopped (SIGTERM, which torchrun
+    passes on to its workers, then SIGKILL) and the test fails with the output so far, leaving
+    no rank behind.
+    """
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                stdout, stderr = process.communicate()
+            raise AssertionError(
+                f"{' '.join(command)} still running after {timeout} s:\n"
+                f"{stdout[-2000:]}\n{stderr[-3000:]}"
+            ) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_torchrun(
+    script: str | Path,
+    *args: str,
+    timeout: float,
+    nproc: int = 2,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node nproc script *args``.
+
+    Run by :func:`run_process_group`: from the repository root (``script`` may be named from
+    it), this checkout's nostall, and no rank left behind after ``timeout`` seconds. ``env``
+    replaces the inherited environment. Check the result with
+    :func:`assert_torchrun_finished`, or its return code.
+    """
+    runner = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*runner, "--nproc-per-node", str(nproc), str(script), *args]
+    return run_process_group(command, timeout=timeout, env=env)
+
+
 def assert_torchrun_finished(done: Any, finished: Iterable[str]) -> None:
     """Every line of ``finished`` was printed; torchrun exited 0, or torch's teardown aborted.
 
@@ -314,7 +417,7 @@ def refused_thread_starts(prefix: str, refusals: int | None = None) -> Iterator[
             raise RuntimeError("can't start new thread")
         start(thread)
 
-    threading.Thread.start = refusing_start  # type: ignore[method-assign]
+    threading.Thread.start = refusing_start  # type: ignore[method-assign,assignment]
     try:
         yield refused
     finally:

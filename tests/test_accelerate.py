@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import run_torchrun
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
@@ -594,12 +595,8 @@ def test_two_processes_under_torchrun(tmp_path: Path) -> None:
     not run in nostall's thread while the loop runs its own, so across_epochs=True is refused.
     """
     runs = ["plain", "nostall:2:0", "nostall:4:0", "nostall:2:1"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(SCRIPT), str(tmp_path), *runs]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=100, check=False, cwd=ROOT, env=env
-    )
+    done = run_torchrun(SCRIPT, str(tmp_path), *runs, timeout=100, env=env)
     results: dict[str, list[Any]] = {}
     for run in runs:
         files = [tmp_path / run.replace(":", "-") / f"rank{rank}.json" for rank in (0, 1)]

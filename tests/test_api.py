@@ -32,6 +32,7 @@ def test_the_gpu_toolkit_is_its_own_tier() -> None:
     toolkit = set(nostall.cuda.__all__)
     assert toolkit == {
         "DeviceInfo",
+        "Measured",
         "MemoryReport",
         "Timer",
         "Timing",
@@ -81,7 +82,7 @@ def test_report_without_profiling_is_a_runtime_error() -> None:
     assert isinstance(info.value, nostall.ProfilingDisabledError)
     assert isinstance(info.value, nostall.NostallError)
     with pytest.raises(TypeError):
-        nostall.prefetch([1], "cpu", profile=True).report(True)  # type: ignore[misc]
+        nostall.prefetch([1], "cpu", profile=True).report(True)  # type: ignore[call-arg]
 
 
 def test_timeout_errors_carry_what_a_program_needs_and_survive_pickling() -> None:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import SleepingSource
 
 import nostall
 from nostall import _autodepth
 
 
 def slow_source(n: int) -> Iterator[torch.Tensor]:
-    for i in range(n):
-        time.sleep(0.003)
-        yield torch.full((256,), float(i))
+    """``n`` batches of 1 KiB, 3 ms apart, as a one-shot generator (no ``len``)."""
+    return iter(SleepingSource(n, 0.003, (256,), torch.float32))
 
 
 def test_the_budget_is_a_share_of_available_memory_and_a_cap(

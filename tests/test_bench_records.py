@@ -7,12 +7,13 @@ from pathlib import Path
 
 from helpers import bench_result
 
+from nostall._timing import Measured
 from nostall.bench import write_json
-from nostall.bench._records import Record, Stat, summarize
+from nostall.bench._records import Record, summarize
 
 
 def test_summarize_gives_median_and_spread_in_arrival_order() -> None:
-    """One Stat per trial, setting, contender and metric, in the order of the run."""
+    """One figure per trial, setting, contender and metric, in the order of the run."""
     records = [
         Record("t", "b", "x", "m", 3.0),
         Record("t", "a", "x", "m", 1.0),
@@ -21,18 +22,8 @@ def test_summarize_gives_median_and_spread_in_arrival_order() -> None:
     ]
     stats = summarize(records)
     assert [("t", "b", "x", "m"), ("t", "a", "x", "m")] == list(stats)
-    assert Stat(2.0, 1.0, 3.0, 3) == stats[("t", "b", "x", "m")]
-    assert Stat(1.0, 1.0, 1.0, 1) == stats[("t", "a", "x", "m")]
-
-
-def test_a_stat_prints_its_spread_and_says_which_side_of_one_it_lies() -> None:
-    """Only a spread wholly above (or below) 1 is a gain (or a cost)."""
-    assert "1.25 (1.10-1.40)" == f"{Stat(1.25, 1.1, 1.4, 3):.2f}"
-    assert Stat(1.2, 1.1, 1.4, 3).exceeds_one
-    assert Stat(0.8, 0.7, 0.9, 3).below_one
-    straddling = Stat(1.05, 0.95, 1.2, 3)
-    assert not straddling.exceeds_one
-    assert not straddling.below_one
+    assert Measured((3.0, 1.0, 2.0)) == stats[("t", "b", "x", "m")]
+    assert Measured((1.0,)) == stats[("t", "a", "x", "m")]
 
 
 def test_result_lists_settings_and_contenders_in_order() -> None:

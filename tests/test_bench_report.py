@@ -10,7 +10,9 @@ from nostall.bench._report import conclusion
 SERIAL, OURS = "serial DataLoader", "nostall"
 
 
-def sweep(light: list[float], heavy: list[float], removed: list[float]) -> dict:
+def sweep(
+    light: list[float], heavy: list[float], removed: list[float]
+) -> dict[tuple[str, str, str, str], list[float]]:
     """Ratios 0.25 and 1: nostall's speed-ups and the waiting it removed at ratio 1."""
     out = {}
     for ratio, speedups in (("0.25", light), ("1", heavy)):

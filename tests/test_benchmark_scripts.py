@@ -108,7 +108,7 @@ def test_gpu_check_runs_make_tests_tests_once_with_the_cuda_ones_alone(tmp_path:
     steps = {s.name: s for s in _gpu_check().plan(tmp_path, suite=True, workers=8)}
 
     def markers(step: str) -> str:
-        argv = steps[step].argv
+        argv: list[str] = steps[step].argv
         return argv[argv.index("-m", 2) + 1]  # after "-m pytest"
 
     module = "tests/test_prefetcher.py"  # it has cuda and perf tests

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from nostall import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
-from nostall._channel import BATCH, END, Channel, Message
+from nostall._channel import BATCH, END, Channel, Kind, Message
 
 
-def message(i: int, kind: str = BATCH) -> Message:
+def message(i: int, kind: Kind = BATCH) -> Message:
     return kind, torch.tensor(i), 0, None, None
 
 
@@ -184,7 +184,12 @@ def test_a_consumer_waiting_when_the_channel_is_let_go_is_told_why() -> None:
 
     channel.thread = threading.Thread(target=producer)
     channel.thread.start()
-    threading.Timer(0.05, lambda: (waiting.set(), channel.wake_to_stop("it was closed"))).start()
+
+    def close() -> None:
+        waiting.set()
+        channel.wake_to_stop("it was closed")
+
+    threading.Timer(0.05, close).start()
     with pytest.raises(PrefetcherClosedError, match=r"waited for batch 4 .*: it was closed"):
         channel.get(4, None)
     channel.thread.join()

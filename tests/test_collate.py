@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import as_dataset
 from torch.utils.data import DataLoader
 
 import nostall
@@ -46,7 +48,7 @@ def test_flipped_and_sliced_arrays() -> None:
     assert np.array_equal(images[1].transpose(2, 0, 1), sliced[1].numpy())
 
 
-def _collate_reporting_shared(samples: list[object]) -> tuple[object, bool]:
+def _collate_reporting_shared(samples: Sequence[object]) -> tuple[object, bool]:
     out = nostall.collate_uint8(samples)
     return out, out[0].is_shared()
 
@@ -54,7 +56,9 @@ def _collate_reporting_shared(samples: list[object]) -> tuple[object, bool]:
 def test_in_a_worker_the_batch_is_built_in_shared_memory() -> None:
     """Like default_collate: sending the batch to the main process copies nothing more."""
     data = [(np.full((4, 4, 3), i, dtype=np.uint8), i) for i in range(4)]
-    loader = DataLoader(data, batch_size=2, num_workers=1, collate_fn=_collate_reporting_shared)
+    loader = DataLoader(
+        as_dataset(data), batch_size=2, num_workers=1, collate_fn=_collate_reporting_shared
+    )
     assert [True, True] == [shared for _, shared in loader]
     main = _collate_reporting_shared(data)
     assert not main[1]
@@ -83,7 +87,9 @@ def test_tuples_and_dicts_keep_labels_collated_as_usual() -> None:
 def test_in_a_dataloader() -> None:
     """As collate_fn of a DataLoader with workers."""
     data = [(np.full((8, 8, 3), i, dtype=np.uint8), i) for i in range(10)]
-    loader = DataLoader(data, batch_size=4, num_workers=2, collate_fn=nostall.collate_uint8)
+    loader = DataLoader(
+        as_dataset(data), batch_size=4, num_workers=2, collate_fn=nostall.collate_uint8
+    )
     batches = list(loader)
     assert [4, 4, 2] == [len(b[0]) for b in batches]
     assert torch.uint8 == batches[0][0].dtype
@@ -175,7 +181,7 @@ def test_cuda_channels_last_batches_cross_as_they_are() -> None:
     data = [
         (np.random.default_rng(i).integers(0, 256, (6, 5, 3), dtype=np.uint8), i) for i in range(8)
     ]
-    loader = DataLoader(data, batch_size=4, collate_fn=nostall.collate_uint8)
+    loader = DataLoader(as_dataset(data), batch_size=4, collate_fn=nostall.collate_uint8)
     for (expected, _), (got, labels) in zip(loader, nostall.prefetch(loader, "cuda"), strict=True):
         assert got.is_cuda
         assert labels.is_cuda

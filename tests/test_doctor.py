@@ -10,15 +10,17 @@ import sys
 import textwrap
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from nostall._cli import main
-from nostall._doctor import Diagnosis, Rate, diagnose, recommend
+from nostall._doctor import Diagnosis, diagnose, recommend
 from nostall._exceptions import ConfigurationError
 from nostall._specs import load_callable
 from nostall._thread_safety import ThreadSafety
+from nostall._timing import Measured
 from nostall._tune import Setting, TuneResult
 
 _names = itertools.count()
@@ -171,10 +173,11 @@ def _assert_honest(diagnosis: Diagnosis) -> None:
 
 
 def _diagnosis(as_built: tuple[float, ...], best: tuple[float, ...]) -> Diagnosis:
-    ours = (Setting(2, 4), Rate(best))
-    theirs = (Setting(2, None), Rate(tuple(r / 2 for r in best)))
+    ours = (Setting(2, 4), Measured(best))
+    theirs = (Setting(2, None), Measured(tuple(r / 2 for r in best)))
     search = TuneResult(Setting(2, 4), best[0], [(Setting(0, 2), as_built[0])], 14)
-    diagnosis = Diagnosis(Rate(as_built), 900.0, Rate(as_built), search, ours, theirs, "cpu")
+    loop = Measured(as_built)
+    diagnosis = Diagnosis(loop, 900.0, loop, search, ours, theirs, "cpu")
     diagnosis.code = "    loader = make_loader(num_workers=2)"
     return diagnosis
 
@@ -212,15 +215,17 @@ def test_a_loop_as_built_that_measured_zero_gives_no_infinite_speed_up() -> None
 
 
 def test_rates_say_their_spread() -> None:
-    assert str(Rate((1000.0, 1200.0, 1100.0))) == "1,100 samples/s (1,000-1,200 over 3 runs)"
-    assert str(Rate((1000.0,))) == "1,000 samples/s (one run)"
+    """The summary writes each rate in samples/s with the range of its runs."""
+    diagnosis = _diagnosis(as_built=(1000.0, 1200.0, 1100.0), best=(1150.0, 1300.0, 1250.0))
+    text = diagnosis.summary()
+    assert "as built, the loop runs at 1,100 samples/s (1,000-1,200 over 3 runs)." in text
 
 
 def test_the_recommendation_is_the_code_to_write() -> None:
-    def make_loader(num_workers=0, persistent_workers=False):  # type: ignore[no-untyped-def]
+    def make_loader(num_workers: int = 0, persistent_workers: bool = False) -> list[Any]:
         return []
 
-    def normalize(batch):  # type: ignore[no-untyped-def]
+    def normalize(batch: Any) -> Any:
         return batch
 
     cpu = torch.device("cpu")
@@ -235,7 +240,7 @@ def test_the_recommendation_is_the_code_to_write() -> None:
 
 
 def test_the_recommendation_names_the_loading_threads() -> None:
-    def make_loader(num_workers=0):  # type: ignore[no-untyped-def]
+    def make_loader(num_workers: int = 0) -> list[Any]:
         return []
 
     code = recommend(make_loader, Setting(0, 2, 4), torch.device("cpu"), None)
@@ -308,7 +313,7 @@ def test_diagnosis_of_a_slow_loader(user_module: str) -> None:
     diagnosis = diagnose(factory, step=step, device="cpu", max_batches=120)
     assert "input-bound" == diagnosis.bound
     assert diagnosis.step_rate is not None
-    assert diagnosis.load_rate < diagnosis.step_rate
+    assert diagnosis.load.median < diagnosis.step_rate
     assert diagnosis.speedup is not None
     assert diagnosis.speedup > 1.3  # two workers where the factory used none
     assert 2 == diagnosis.best[0].num_workers
@@ -616,7 +621,7 @@ def test_output_paths_are_checked_before_measuring(
 
 
 def test_a_recommendation_that_changes_the_draws_says_so_in_the_code() -> None:
-    def make_loader(num_workers=0):  # type: ignore[no-untyped-def]
+    def make_loader(num_workers: int = 0) -> list[Any]:
         return []
 
     cpu = torch.device("cpu")

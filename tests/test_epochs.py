@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from helpers import CountingSource, nostall_threads, settle, wait_for_no_nostall_threads, wait_until
+from helpers import (
+    CountingSource,
+    as_dataset,
+    nostall_threads,
+    settle,
+    wait_for_no_nostall_threads,
+    wait_until,
+)
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 import nostall
@@ -48,7 +56,9 @@ class Stream(IterableDataset[int]):
 
 
 def distributed_loader(workers: int = 0, **kwargs: Any) -> DataLoader[int]:
-    sampler = DistributedSampler(Indices(), num_replicas=2, rank=1, shuffle=True, seed=5)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Indices(), num_replicas=2, rank=1, shuffle=True, seed=5
+    )
     return DataLoader(sampler.dataset, batch_size=3, sampler=sampler, num_workers=workers, **kwargs)
 
 
@@ -106,16 +116,21 @@ class MultiEpochsDataLoader(DataLoader[Any]):
         self.iterator = super().__iter__()
 
     def __len__(self) -> int:
-        return len(self.batch_sampler.sampler)  # type: ignore[attr-defined]
+        assert isinstance(self.batch_sampler, _RepeatSampler)
+        return len(self.batch_sampler.sampler)
 
-    def __iter__(self) -> Iterator[Any]:
+    # One generator over the endless iterator, not torch's per-epoch iterator type: the
+    # fixture as its users write it.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for _ in range(len(self)):
             yield next(self.iterator)
 
 
 def repeat_sampler_orders(epochs: int) -> list[list[int]]:
     """What the seed pattern delivers with workers, set_epoch(e) called before each epoch."""
-    sampler = DistributedSampler(Indices(), num_replicas=2, rank=1, shuffle=True, seed=5)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Indices(), num_replicas=2, rank=1, shuffle=True, seed=5
+    )
     loader = MultiEpochsDataLoader(sampler.dataset, batch_size=3, sampler=sampler, num_workers=2)
     out = []
     for e in range(epochs):
@@ -362,7 +377,7 @@ def test_resume_a_stateful_dataloader(workers: int, across: bool) -> None:
     """
     StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
-    def make() -> StatefulDataLoader:
+    def make() -> Any:  # a StatefulDataLoader, imported only when torchdata is there
         return StatefulDataLoader(
             Indices(),
             batch_size=3,
@@ -389,7 +404,7 @@ def test_resume_a_stateful_dataloader(workers: int, across: bool) -> None:
         for _ in range(k):
             next(ours)
         if workers or k >= 2:  # without workers, two batches come in step (test_global_draws)
-            wait_until(lambda it=ours, k=k: ran_ahead(it, k), "the producer fetched ahead")
+            wait_until(functools.partial(ran_ahead, ours, k), "the producer fetched ahead")
         state = roundtrip(p.state_dict())
         p.close()
         resumed = nostall.prefetch(make(), "cpu", across_epochs=across)
@@ -538,7 +553,10 @@ def test_epoch_set_anywhere_gives_that_epochs_order(
     where: str, how: str, across: bool, workers: int
 ) -> None:
     """Every epoch has the order its sampler gives for the epoch set, wherever it was set."""
-    make = lambda: distributed_loader(workers, persistent_workers=bool(workers))  # noqa: E731
+
+    def make() -> DataLoader[int]:
+        return distributed_loader(workers, persistent_workers=bool(workers))
+
     reference = reference_orders(make, 4)
     loader = make()
     p = nostall.prefetch(loader, "cpu", across_epochs=across)
@@ -617,7 +635,10 @@ def test_warns_when_set_epoch_target_shows_no_epoch() -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_at_the_start_of_an_epoch_set_on_a_distributed_sampler(workers: int) -> None:
     """A state saved after set_epoch(1), before any batch, resumes into epoch 1's order."""
-    make = lambda: distributed_loader(workers, persistent_workers=bool(workers))  # noqa: E731
+
+    def make() -> DataLoader[int]:
+        return distributed_loader(workers, persistent_workers=bool(workers))
+
     reference = reference_orders(make, 2)
     p = nostall.prefetch(make(), "cpu")
     epoch_lists(p)
@@ -638,7 +659,7 @@ def test_stateful_dataloader_state_before_the_first_batch_is_its_own() -> None:
     """
     StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
-    def make() -> StatefulDataLoader:
+    def make() -> Any:  # a StatefulDataLoader, imported only when torchdata is there
         return StatefulDataLoader(Indices(12), batch_size=3, shuffle=True)
 
     torch.manual_seed(3)
@@ -759,8 +780,10 @@ def test_leaving_an_epoch_early_after_the_next_opened_ahead() -> None:
 def sixteen_loader() -> DataLoader[int]:
     """16 samples in batches of 4, through a one-replica DistributedSampler."""
     data = list(range(16))
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
-    return DataLoader(data, batch_size=4, sampler=sampler)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        as_dataset(data), num_replicas=1, rank=0, shuffle=True, seed=3
+    )
+    return DataLoader(as_dataset(data), batch_size=4, sampler=sampler)
 
 
 def sixteen_order(epoch: int) -> list[list[int]]:

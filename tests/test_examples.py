@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from doc_blocks import pages, python_blocks
-from helpers import assert_torchrun_finished
+from helpers import assert_torchrun_finished, run_torchrun
 
 from nostall._specs import load_callable
 
@@ -101,20 +101,7 @@ def test_hogwild_trains_the_shared_model() -> None:
 
 def test_ddp_train_under_torchrun() -> None:
     """DDP + DistributedSampler + nostall.prefetch under torchrun, gloo on the CPU."""
-    done = run(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "examples/ddp_train.py",
-            "--epochs",
-            "2",
-            "--samples",
-            "512",
-        ]
-    )
+    done = run_torchrun("examples/ddp_train.py", "--epochs", "2", "--samples", "512", timeout=180)
     assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
     for rank in (0, 1):
         assert f"rank {rank} epoch 1: mean loss" in done.stdout

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished, lightning_seed_unset
+from helpers import (
+    as_dataset,
+    assert_torchrun_finished,
+    lightning_seed_unset,
+    run_process_group,
+    run_torchrun,
+)
 
 import nostall
 
@@ -84,10 +88,11 @@ def test_resume_mid_epoch_over_a_new_fabric_loader(
     the new loader's count starts at 0, as in a new process.
     """
     save_at = 12  # the 3rd batch of epoch 1, at an accumulation boundary
-    run = {"checkpoint": tmp_path / "nostall.ckpt", "sampler": "distributed", "save_at": save_at}
+    run: dict[str, Any] = {"sampler": "distributed", "save_at": save_at}
+    checkpoint = tmp_path / "nostall.ckpt"
     expected = train(fabric, "plain", False, tmp_path / "plain.ckpt", sampler="distributed")
-    train(fabric, "nostall", across, **run)  # saves after save_at steps
-    resumed = train(fabric, "nostall", across, resume=True, **run)
+    train(fabric, "nostall", across, checkpoint, **run)  # saves after save_at steps
+    resumed = train(fabric, "nostall", across, checkpoint, resume=True, **run)
     assert expected["steps"][save_at:] == resumed["steps"]
     assert [b for b in expected["boundaries"] if b >= save_at] == resumed["boundaries"]
     assert expected["weights"] == resumed["weights"]
@@ -99,7 +104,8 @@ def test_resume_at_an_epoch_end_over_a_new_fabric_loader(fabric: Fabric, after_e
 
     Saved after the last batch (inside the loop), or after the loop took the epoch's end.
     """
-    reference = fabric.setup_dataloaders(make_loader("distributed"))
+    # A _FabricDataLoader, which Fabric's annotation calls a DataLoader or a list of them.
+    reference: Any = fabric.setup_dataloaders(make_loader("distributed"))
     orders = [[b[0].tolist() for b in reference] for _ in range(3)]
     batches = nostall.prefetch(fabric.setup_dataloaders(make_loader("distributed")))
     state: dict[str, Any] = {}
@@ -140,7 +146,7 @@ def test_resume_loads_no_skipped_sample(fabric: Fabric, saved_after: int) -> Non
 
     def make() -> Any:
         data = CountingDataset()
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
+        sampler: DistributedSampler[int] = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
         return fabric.setup_dataloaders(DataLoader(data, batch_size=4, sampler=sampler))
 
     reference = make()
@@ -182,36 +188,16 @@ Ranks = dict[int, dict[str, Any]]
 def launch(out: Path, runs: tuple[str, ...], *, torchrun: bool = False) -> None:
     """Run fabric_run.py on 2 ranks: rank 0 starting rank 1 (``fabric.launch()``), or torchrun.
 
-    If it hangs, both ranks are stopped (SIGTERM to the group, which torchrun passes on to its
-    workers, then SIGKILL).
+    If it hangs, both ranks are stopped (:func:`helpers.run_process_group`).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "LT_"))}
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command = [sys.executable, *(runner if torchrun else []), str(SCRIPT), str(out)]
-    command += ["--devices", "2", *runs]
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,  # the ranks it starts join its group: one signal reaches all
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                stdout, stderr = process.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                stdout, stderr = process.communicate()
-            pytest.fail(f"fabric_run.py {runs} hung:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    args = [str(out), "--devices", "2", *runs]
+    if torchrun:
+        done = run_torchrun(SCRIPT, *args, timeout=240, env=env)
+    else:
+        done = run_process_group([sys.executable, str(SCRIPT), *args], timeout=240, env=env)
     assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
 
 
@@ -306,7 +292,9 @@ def test_a_fabric_loader_is_prefetched_to_fabrics_device_by_default() -> None:
     from lightning.fabric.wrappers import _FabricDataLoader
     from simcuda import simulated_cuda
 
-    loader = _FabricDataLoader(DataLoader(list(range(8)), batch_size=4), torch.device("cpu"))
+    loader = _FabricDataLoader(
+        DataLoader(as_dataset(list(range(8))), batch_size=4), torch.device("cpu")
+    )
     with simulated_cuda():
         assert torch.cuda.is_available()  # a GPU machine, as far as nostall can tell
         p = nostall.prefetch(loader)

@@ -6,11 +6,17 @@ test_epochs.py, test_exit.py); here, what belongs to the iterator alone.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import refused_thread_starts, wait_for_no_nostall_threads, wait_until
+from helpers import (
+    SleepingSource,
+    as_dataset,
+    refused_thread_starts,
+    wait_for_no_nostall_threads,
+    wait_until,
+)
 from torch.utils.data import DataLoader
 
 import nostall
@@ -29,7 +35,7 @@ def test_an_error_raised_into_next_is_noted_once_with_the_batch(
     PyTorch's SIGCHLD handler raises a dead DataLoader worker's error wherever the main thread
     is: waiting, pulling a batch itself, or between the two.
     """
-    it = iter(nostall.prefetch(DataLoader(range(8), batch_size=2), "cpu"))
+    it = iter(nostall.prefetch(DataLoader(as_dataset(range(8)), batch_size=2), "cpu"))
     assert next(it).tolist() == [0, 1]
     real_get = Channel.get
 
@@ -46,7 +52,7 @@ def test_an_error_raised_into_next_is_noted_once_with_the_batch(
 
 
 def test_an_error_from_the_source_keeps_its_one_note() -> None:
-    def source():  # type: ignore[no-untyped-def]
+    def source() -> Iterator[int]:
         yield 1
         raise KeyError("bad sample")
 
@@ -60,7 +66,7 @@ def test_an_error_from_the_source_keeps_its_one_note() -> None:
 
 
 def test_nostalls_own_errors_and_the_epochs_end_are_not_noted() -> None:
-    prefetcher = nostall.prefetch(DataLoader(range(2), batch_size=2), "cpu")
+    prefetcher = nostall.prefetch(DataLoader(as_dataset(range(2)), batch_size=2), "cpu")
     it = iter(prefetcher)
     next(it)
     with pytest.raises(StopIteration) as ended:
@@ -74,28 +80,16 @@ def test_nostalls_own_errors_and_the_epochs_end_are_not_noted() -> None:
 
 
 def test_running_is_true_only_between_the_first_next_and_the_end() -> None:
-    it = iter(nostall.prefetch(DataLoader(range(2), batch_size=2), "cpu"))
-    assert not it.running
+    it = iter(nostall.prefetch(DataLoader(as_dataset(range(2)), batch_size=2), "cpu"))
+    before = it.running
     next(it)
-    assert it.running
+    during = it.running
     assert list(it) == []
-    assert not it.running
-
-
-class Slow:
-    """A source whose batches each take a few ms: a fast loop finds nothing ready."""
-
-    def __len__(self) -> int:
-        return 12
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(12):
-            time.sleep(0.005)
-            yield torch.full((4,), i)
+    assert (False, True, False) == (before, during, it.running)
 
 
 def test_the_depth_auto_chose_is_readable_during_and_after_the_epoch() -> None:
-    prefetcher = nostall.prefetch(Slow(), "cpu", depth="auto")
+    prefetcher = nostall.prefetch(SleepingSource(12, 0.005, (4,)), "cpu", depth="auto")
     assert prefetcher.current_depth == 1
     it = iter(prefetcher)
     for _ in range(6):
@@ -110,7 +104,7 @@ def test_the_depth_auto_chose_is_readable_during_and_after_the_epoch() -> None:
 
 
 def test_a_fixed_depth_is_the_current_depth() -> None:
-    prefetcher = nostall.prefetch(Slow(), "cpu", depth=3)
+    prefetcher = nostall.prefetch(SleepingSource(12, 0.005, (4,)), "cpu", depth=3)
     assert prefetcher.current_depth == 3
     for _ in prefetcher:
         pass

@@ -136,7 +136,8 @@ class Summing(L.LightningModule):
         self.layer = torch.nn.Linear(3, 1)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.layer(batch).sum()
+        loss: torch.Tensor = self.layer(batch).sum()
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)

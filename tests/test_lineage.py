@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from helpers import as_dataset
 from torch.utils.data import DataLoader
 
 from nostall._channel import Channel
@@ -14,7 +15,7 @@ from nostall._staging import Staging
 
 
 def lineage_over(n: int = 8) -> Lineage:
-    epochs = EpochSource(DataLoader(range(n), batch_size=2), across_epochs=True)
+    epochs = EpochSource(DataLoader(as_dataset(range(n)), batch_size=2), across_epochs=True)
     return Lineage(False, epochs, {"seen": 0})
 
 
@@ -40,8 +41,8 @@ def test_discarding_what_runs_ahead_stops_its_producer() -> None:
     ahead = puller_of(lineage)
     lineage.ahead = ahead
     lineage.discard_ahead()
-    assert lineage.ahead is None
     assert ahead.stopped
+    assert lineage.ahead is None
 
 
 def test_the_owner_gone_stops_what_runs_ahead_when_no_pass_is_running() -> None:

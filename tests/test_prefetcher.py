@@ -20,6 +20,7 @@ from helpers import (
     RaisingSource,
     SqliteRows,
     Unmovable,
+    as_dataset,
     assert_same_batches,
     nostall_threads,
     settle,
@@ -124,7 +125,7 @@ def test_source_error_arrives_after_the_batches_before_it() -> None:
             seen.append(int(batch))
     assert [0, 1, 2] == seen
     assert info.value is error
-    assert any("next(source) for batch 3" in n for n in info.value.__notes__)
+    assert any("next(source) for batch 3" in n for n in getattr(info.value, "__notes__", []))
 
 
 def test_exception_with_several_arguments_is_passed_intact() -> None:
@@ -265,7 +266,7 @@ class BadNotes(Exception):
 
     def __init__(self) -> None:
         super().__init__("bad notes")
-        self.__notes__ = ("a tuple",)  # type: ignore[assignment]
+        self.__notes__ = ("a tuple",)
 
 
 @pytest.mark.parametrize("error", [NoNotes("refuses notes"), BadNotes()])
@@ -286,7 +287,7 @@ def test_a_dataset_bound_to_its_thread_is_told_the_fix(threads: int | None) -> N
     p = nostall.prefetch(DataLoader(SqliteRows(), batch_size=4), "cpu", threads=threads, timeout=60)
     with pytest.raises(sqlite3.ProgrammingError, match="same thread") as info:
         list(p)
-    notes = "\n".join(info.value.__notes__)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "used outside the thread that made it" in notes
     for fix in ("threading.local()", "check_same_thread=False", "num_workers=N"):
         assert fix in notes
@@ -301,7 +302,7 @@ def test_iter_error_surfaces_on_first_next_not_on_iter() -> None:
     it = iter(nostall.prefetch(BrokenIter()))
     with pytest.raises(OSError, match="cannot open the shards") as info:
         next(it)
-    assert any("iter(source)" in n for n in info.value.__notes__)
+    assert any("iter(source)" in n for n in getattr(info.value, "__notes__", []))
     with pytest.raises(StopIteration):
         next(it)
 
@@ -313,7 +314,7 @@ def test_worker_init_error_surfaces_on_first_next() -> None:
     def init(worker_id: int) -> None:
         raise RuntimeError(f"worker {worker_id} cannot start")
 
-    loader = DataLoader(range(10), batch_size=2, num_workers=2, worker_init_fn=init)
+    loader = DataLoader(as_dataset(range(10)), batch_size=2, num_workers=2, worker_init_fn=init)
     it = iter(nostall.prefetch(loader))
     with pytest.raises(RuntimeError, match="cannot start"):
         next(it)
@@ -324,12 +325,12 @@ def test_worker_init_error_surfaces_on_first_next() -> None:
 
 def test_transfer_error_is_reraised_from_the_transfer_step() -> None:
     """An object whose ``.to()`` raises: the error arrives, noted as a transfer error."""
-    source = [torch.tensor([0]), Unmovable()]
+    source: list[Any] = [torch.tensor([0]), Unmovable()]
     it = iter(nostall.prefetch(source, "cpu"))
     assert 0 == int(next(it))
     with pytest.raises(RuntimeError, match="Unmovable cannot go to cpu") as info:
         next(it)
-    assert any("while moving batch 1 to cpu" in n for n in info.value.__notes__)
+    assert any("while moving batch 1 to cpu" in n for n in getattr(info.value, "__notes__", []))
 
 
 # -- row 8, 9: break, del, garbage collection ---------------------------------------------------
@@ -437,7 +438,9 @@ def test_two_threads_iterating_one_prefetcher_are_told_what_happened() -> None:
     """iter() in two threads at once: the loser hears of the newer iteration, never "a bug"."""
     errors = []
     for _ in range(30):
-        errors += _iterate_in_threads(nostall.prefetch(DataLoader(range(400), batch_size=4)), 2)
+        errors += _iterate_in_threads(
+            nostall.prefetch(DataLoader(as_dataset(range(400)), batch_size=4)), 2
+        )
     assert errors, "no run overlapped"
     for error in errors:
         assert error.startswith("PrefetcherClosedError"), error
@@ -448,7 +451,7 @@ def test_close_from_another_thread_is_reported_as_a_close() -> None:
     """close() while another thread iterates: that thread hears of the close, never "a bug"."""
     errors = []
     for _ in range(30):
-        p = nostall.prefetch(DataLoader(range(4000), batch_size=4))
+        p = nostall.prefetch(DataLoader(as_dataset(range(4000)), batch_size=4))
         errors += _iterate_in_threads(p, 1, also=p.close)
     for error in errors:
         assert error.startswith("PrefetcherClosedError"), error
@@ -505,7 +508,7 @@ def test_new_iteration_waits_for_the_previous_producer() -> None:
 def test_iter_alone_takes_nothing_from_the_source() -> None:
     """iter() without next() neither creates the source's iterator nor draws random numbers."""
     generator = torch.Generator().manual_seed(1)
-    loader = DataLoader(range(10), batch_size=3, shuffle=True, generator=generator)
+    loader = DataLoader(as_dataset(range(10)), batch_size=3, shuffle=True, generator=generator)
     state = generator.get_state()
     p = nostall.prefetch(loader)
     iter(p)  # as Lightning does to check that an object is iterable
@@ -514,7 +517,10 @@ def test_iter_alone_takes_nothing_from_the_source() -> None:
     assert not nostall_threads()
     expected = list(
         DataLoader(
-            range(10), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1)
+            as_dataset(range(10)),
+            batch_size=3,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(1),
         )
     )
     assert_same_batches(expected, p)
@@ -531,7 +537,9 @@ def test_timeout_names_the_wait_and_loses_nothing() -> None:
         next(it)
     assert isinstance(info.value, TimeoutError)
     assert "next(source) for batch 0" in str(info.value)
-    wait_until(lambda: not it._puller.channel.empty(), "the stalled batch queued")
+    puller = it._puller
+    assert puller is not None  # the first next() started it
+    wait_until(lambda: not puller.channel.empty(), "the stalled batch queued")
     assert 0 == int(next(it))  # nothing lost
     it.close()
 
@@ -686,7 +694,7 @@ def test_seeded_shuffle_gives_identical_sequences(workers: int) -> None:
 
 def test_two_prefetchers_interleaved_are_independent() -> None:
     """A training and a validation prefetcher used in turn keep their own streams."""
-    train, val = CountingSource(10), DataLoader(range(6), batch_size=2)
+    train, val = CountingSource(10), DataLoader(as_dataset(range(6)), batch_size=2)
     p_train, p_val = nostall.prefetch(train), nostall.prefetch(val)
     out_train, out_val = [], []
     for t, v in zip(p_train, p_val, strict=False):  # stops at the shorter
@@ -735,7 +743,7 @@ def test_every_loader_argument_reads_the_loaders_value(pin_memory: bool) -> None
     prefetcher's own ``timeout`` or ``pin_memory`` read in their place made it fail or differ.
     """
     loader = DataLoader(
-        list(range(10)),
+        as_dataset(list(range(10))),
         batch_size=3,
         shuffle=True,
         num_workers=2,
@@ -770,7 +778,7 @@ def test_setting_a_loader_attribute_is_refused_as_the_loader_refuses_it() -> Non
 
 def test_setting_a_loader_attribute_the_loader_allows_applies_it() -> None:
     """An attribute the loader takes (its collate_fn) is set on the loader, where it acts."""
-    loader = DataLoader(list(range(6)), batch_size=3)
+    loader = DataLoader(as_dataset(list(range(6))), batch_size=3)
     p = nostall.prefetch(loader, "cpu")
     p.collate_fn = lambda samples: sum(samples)
     assert loader.collate_fn is p.collate_fn
@@ -779,10 +787,13 @@ def test_setting_a_loader_attribute_the_loader_allows_applies_it() -> None:
 
 def test_resetting_the_loaders_iterator_reaches_the_loader() -> None:
     """Lightning's teardown sets ``loader._iterator = None`` after shutting the workers down."""
-    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    loader = DataLoader(
+        as_dataset(list(range(4))), batch_size=2, num_workers=1, persistent_workers=True
+    )
     p = nostall.prefetch(loader, "cpu")
     assert [[0, 1], [2, 3]] == [b.tolist() for b in p]
-    assert loader._iterator is not None
+    workers = loader._iterator
+    assert workers is not None
     p._iterator = None
     assert loader._iterator is None
     assert "_iterator" not in vars(p)
@@ -825,8 +836,10 @@ def test_set_epoch_reaches_a_distributed_sampler() -> None:
 
     def loader() -> DataLoader[int]:
         data = list(range(16))
-        sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
-        return DataLoader(data, batch_size=4, sampler=sampler)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            as_dataset(data), num_replicas=2, rank=0, shuffle=True, seed=3
+        )
+        return DataLoader(as_dataset(data), batch_size=4, sampler=sampler)
 
     plain, wrapped = loader(), loader()
     p = nostall.prefetch(wrapped)
@@ -955,9 +968,10 @@ def test_structure_is_kept_through_the_prefetcher() -> None:
         def to(self, device: Any, non_blocking: bool = False) -> str:
             return f"moved to {device}"
 
+    counts: defaultdict[str, Any] = defaultdict(int, k=torch.ones(1))
     batch = {
         "od": OrderedDict(z=torch.ones(1), a=None),
-        "dd": defaultdict(int, k=torch.ones(1)),
+        "dd": counts,
         "nt": Pair(torch.ones(1), "s"),
         "dc": Item(torch.ones(1), 3),
         "own": Own(),
@@ -1041,7 +1055,7 @@ def test_bad_timeout_type(timeout: Any) -> None:
 def test_bad_flags(name: str) -> None:
     """Flags are booleans (pin_memory and shard may be None): a TypeError naming the flag."""
     with pytest.raises(TypeError, match=rf"{name}=\.\.\.\) must be True.* \(got 'yes', a str\)"):
-        nostall.prefetch([1], **{name: "yes"})
+        nostall.prefetch([1], **{name: "yes"})  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -1084,10 +1098,10 @@ def _check_stream_safety(p: Prefetcher[torch.Tensor], steps: int, read_late: boo
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
     for i, batch in enumerate(p):
         if read_late:
-            torch.cuda._sleep(1_000_000)
+            torch.cuda._sleep(1_000_000)  # type: ignore[no-untyped-call]
         bad += (batch != float(i)).any().to(torch.int64)
         if not read_late:
-            torch.cuda._sleep(1_000_000)
+            torch.cuda._sleep(1_000_000)  # type: ignore[no-untyped-call]
         batch.fill_(-1.0)  # overwrite after use, then drop it
         del batch
     torch.cuda.synchronize()
@@ -1111,7 +1125,7 @@ def test_cuda_stream_safety_on_a_side_consumer_stream(read_late: bool) -> None:
 
 
 def _check_on_a_side_stream(p: Prefetcher[torch.Tensor], steps: int, read_late: bool) -> int:
-    with torch.cuda.stream(torch.cuda.Stream()):
+    with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
         return _check_stream_safety(p, steps, read_late)
 
 
@@ -1119,7 +1133,7 @@ def _made_on_the_device(n: int, size: int = 1 << 18) -> Iterator[torch.Tensor]:
     """Batches a source writes on the GPU itself, late on its thread's stream."""
     for i in range(n):
         batch = torch.zeros(size, device="cuda")
-        torch.cuda._sleep(5_000_000)  # the write below lands well after the batch is yielded
+        torch.cuda._sleep(5_000_000)  # type: ignore[no-untyped-call]  # the write below lands well after the batch is yielded
         batch.fill_(float(i))
         yield batch
 
@@ -1152,7 +1166,7 @@ def _copies_start_late(monkeypatch: pytest.MonkeyPatch) -> None:
         def move(t: torch.Tensor) -> torch.Tensor:
             pinned = t.pin_memory()
             copy = torch.empty(pinned.shape, dtype=pinned.dtype, device=self.device)
-            torch.cuda._sleep(LATE_COPY_CYCLES)
+            torch.cuda._sleep(LATE_COPY_CYCLES)  # type: ignore[no-untyped-call]
             copy.copy_(pinned, non_blocking=True)
             out.append(copy)
             return copy
@@ -1272,7 +1286,7 @@ def test_cuda_at_most_depth_batches_in_flight() -> None:
 @pytest.mark.cuda
 def test_cuda_placement_and_dtypes() -> None:
     """Every tensor leaf on the target device with its dtype; other leaves unchanged."""
-    sample = {
+    sample: dict[str, Any] = {
         "image": torch.randint(0, 255, (2, 3, 4, 4), dtype=torch.uint8),
         "label": torch.tensor([1, 2]),
         "weights": [torch.ones(2, dtype=torch.float16)],

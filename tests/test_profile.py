@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -11,16 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CountingSource, assert_same_batches
+from helpers import CountingSource, SleepingSource, assert_same_batches, run_torchrun
 
 import nostall
 from nostall import NostallError, StallReport
-
-
-def sleepy(n: int, delay: float) -> Iterator[torch.Tensor]:
-    for i in range(n):
-        time.sleep(delay)
-        yield torch.full((4, 2), float(i))
 
 
 def test_batches_are_unchanged() -> None:
@@ -38,7 +30,7 @@ def test_wait_counts_an_injected_stall() -> None:
     Only lower bounds here (a sleep never ends early); how close the figures come to the
     truth is a timing claim, tested by ``make test-perf``.
     """
-    wrapped = nostall.profile(sleepy(15, 0.02), device="cpu")
+    wrapped = nostall.profile(iter(SleepingSource(15, 0.02, (4, 2), torch.float32)), device="cpu")
     for _ in wrapped:
         time.sleep(0.005)
     report = wrapped.report()
@@ -52,7 +44,7 @@ def test_wait_counts_an_injected_stall() -> None:
 @pytest.mark.perf
 def test_wait_matches_an_injected_stall() -> None:
     """The same, within 5% of the injected 300 ms (a timing claim: ``make test-perf``)."""
-    wrapped = nostall.profile(sleepy(15, 0.02), device="cpu")
+    wrapped = nostall.profile(iter(SleepingSource(15, 0.02, (4, 2), torch.float32)), device="cpu")
     for _ in wrapped:
         time.sleep(0.005)
     report = wrapped.report()
@@ -65,7 +57,7 @@ def test_wait_matches_an_injected_stall() -> None:
 
 def test_prefetching_with_profile_reports_every_batch_and_the_start_up() -> None:
     """Loading 10 ms, step 25 ms, through prefetch(profile=True): the report's structure."""
-    p = nostall.prefetch(sleepy(12, 0.01), "cpu", profile=True)
+    p = nostall.prefetch(iter(SleepingSource(12, 0.01, (4, 2), torch.float32)), "cpu", profile=True)
     for _ in p:
         time.sleep(0.025)
     report = p.report()
@@ -78,7 +70,7 @@ def test_prefetching_with_profile_reports_every_batch_and_the_start_up() -> None
 @pytest.mark.perf
 def test_prefetching_hides_the_stall_and_the_report_shows_it() -> None:
     """Almost no waiting after the first batch (a timing claim: ``make test-perf``)."""
-    p = nostall.prefetch(sleepy(12, 0.01), "cpu", profile=True)
+    p = nostall.prefetch(iter(SleepingSource(12, 0.01, (4, 2), torch.float32)), "cpu", profile=True)
     for _ in p:
         time.sleep(0.025)
     report = p.report()
@@ -94,7 +86,8 @@ def test_report_needs_profile_true() -> None:
 
 def test_zero_batches_give_a_report_of_zeros() -> None:
     """An empty source is not an error."""
-    wrapped = nostall.profile([], device="cpu")
+    nothing: list[torch.Tensor] = []
+    wrapped = nostall.profile(nothing, device="cpu")
     assert [] == list(wrapped)
     report = wrapped.report()
     assert (0, 0.0, 0.0, None) == (
@@ -219,21 +212,7 @@ def test_torchrun_names_the_rank_with_the_slow_loader(tmp_path: Path) -> None:
         dist.destroy_process_group()
     """)
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    done = run_torchrun(script, timeout=180)
     assert 0 == done.returncode, done.stderr[-3000:]
     assert "slowest rank: 1" in done.stdout
     assert "rank 1" in done.stdout
@@ -292,7 +271,7 @@ def test_the_first_batch_of_each_epoch_is_reported_apart_from_the_steady_waits()
         def __len__(self) -> int:
             return 6
 
-        def __iter__(self):  # type: ignore[no-untyped-def]
+        def __iter__(self) -> Iterator[torch.Tensor]:
             time.sleep(0.5)  # start-up: the first batch of each epoch waits for it
             yield from (torch.ones(2) for _ in range(6))
 

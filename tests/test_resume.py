@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CountingTransform
+from helpers import CountingTransform, as_dataset
 from torch.utils.data import DataLoader, IterableDataset
 
 from nostall._epochs import EpochSource
@@ -27,7 +27,7 @@ from nostall._resume import (
 
 
 def epochs_of(n: int = 10, batch_size: int = 2) -> EpochSource:
-    loader = DataLoader(range(n), batch_size=batch_size, shuffle=True)
+    loader = DataLoader(as_dataset(range(n)), batch_size=batch_size, shuffle=True)
     return EpochSource(loader, across_epochs=False)
 
 

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished
+from helpers import as_dataset, assert_torchrun_finished, run_torchrun
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 import nostall
 from nostall import _sharding, _source_checks
-
-#: Where the nostall under test lives: the ranks import the same one.
-SRC = Path(nostall.__file__).resolve().parent.parent
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
@@ -33,8 +28,8 @@ def indices(batches: Any) -> list[int]:
 
 def lightning_like(loader: DataLoader[int], rank: int, world: int, epoch: int) -> list[int]:
     """What Lightning injects: DistributedSampler(shuffle=..., seed=PL_GLOBAL_SEED)."""
-    sampler = DistributedSampler(
-        loader.dataset,  # type: ignore[arg-type]
+    sampler: DistributedSampler[int] = DistributedSampler(
+        loader.dataset,
         num_replicas=world,
         rank=rank,
         shuffle=isinstance(loader.sampler, torch.utils.data.RandomSampler),
@@ -53,7 +48,7 @@ def test_shard_true_gives_each_rank_what_lightning_would(
     """Per rank and epoch, the indices of a DistributedSampler built as Lightning builds it."""
     as_rank(monkeypatch, rank, 2)
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # Lightning's seed_everything() exports it
-    loader = DataLoader(list(range(21)), batch_size=4, shuffle=shuffle)
+    loader = DataLoader(as_dataset(list(range(21))), batch_size=4, shuffle=shuffle)
     p = nostall.prefetch(loader, "cpu", shard=True, across_epochs=True)
     assert 3 == len(p)  # 11 of 21 samples on this rank, in batches of 4
     assert isinstance(p.sampler, DistributedSampler)
@@ -69,7 +64,9 @@ def test_ranks_together_see_every_sample_once(monkeypatch: pytest.MonkeyPatch) -
     seen = []
     for rank in (0, 1):
         as_rank(monkeypatch, rank, 2)
-        p = nostall.prefetch(DataLoader(list(range(20)), batch_size=3, shuffle=True), shard=True)
+        p = nostall.prefetch(
+            DataLoader(as_dataset(list(range(20))), batch_size=3, shuffle=True), shard=True
+        )
         seen += indices(p)
         p.close()
     assert list(range(20)) == sorted(seen)
@@ -78,7 +75,7 @@ def test_ranks_together_see_every_sample_once(monkeypatch: pytest.MonkeyPatch) -
 def test_unsharded_loader_in_a_multi_rank_run_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every rank would load all the data: the warning names DistributedSampler and shard=."""
     as_rank(monkeypatch, 0, 2)
-    p = nostall.prefetch(DataLoader(list(range(8)), batch_size=2), "cpu")
+    p = nostall.prefetch(DataLoader(as_dataset(list(range(8))), batch_size=2), "cpu")
     with pytest.warns(UserWarning, match=r"no DistributedSampler.*shard=True"):
         assert list(range(8)) == indices(p)
     p.close()
@@ -91,18 +88,22 @@ def test_no_warning_when_told_or_already_sharded(monkeypatch: pytest.MonkeyPatch
     as_rank(monkeypatch, 0, 2)
     data = list(range(8))
     if how == "shard=False":
-        p = nostall.prefetch(DataLoader(data, batch_size=2), "cpu", shard=False)
+        p = nostall.prefetch(DataLoader(as_dataset(data), batch_size=2), "cpu", shard=False)
         assert data == indices(p)
     else:
-        sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)  # type: ignore[arg-type]
-        p = nostall.prefetch(DataLoader(data, batch_size=2, sampler=sampler), "cpu", shard=True)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            as_dataset(data), num_replicas=2, rank=0, shuffle=False
+        )
+        p = nostall.prefetch(
+            DataLoader(as_dataset(data), batch_size=2, sampler=sampler), "cpu", shard=True
+        )
         assert [0, 2, 4, 6] == indices(p)
     p.close()
 
 
 def test_shard_true_in_a_single_process_changes_nothing() -> None:
     """Without a process group of several ranks, the loader is used as it is."""
-    p = nostall.prefetch(DataLoader(list(range(6)), batch_size=2), "cpu", shard=True)
+    p = nostall.prefetch(DataLoader(as_dataset(list(range(6))), batch_size=2), "cpu", shard=True)
     assert list(range(6)) == indices(p)
     p.close()
 
@@ -120,7 +121,7 @@ def test_shard_true_refuses_what_it_cannot_split() -> None:
         nostall.prefetch(DataLoader(Stream()), shard=True)
     weighted = WeightedRandomSampler([1.0] * 4, 4)
     with pytest.raises(ValueError, match="WeightedRandomSampler"):
-        nostall.prefetch(DataLoader(list(range(4)), sampler=weighted), shard=True)
+        nostall.prefetch(DataLoader(as_dataset(list(range(4))), sampler=weighted), shard=True)
     with pytest.raises(TypeError, match=r"shard=\.\.\.\) must be True, False or None"):
         nostall.prefetch(DataLoader(list(range(4))), shard="yes")  # type: ignore[arg-type]
 
@@ -133,7 +134,7 @@ def test_epochs_after_the_group_came_up_are_sharded(
     monkeypatch: pytest.MonkeyPatch, threads: int | None, across_epochs: bool
 ) -> None:
     """An epoch before init loads everything; each epoch set after it gets this rank's part."""
-    loader = DataLoader(list(range(21)), batch_size=4, shuffle=True)
+    loader = DataLoader(as_dataset(list(range(21))), batch_size=4, shuffle=True)
     p = nostall.prefetch(loader, "cpu", shard=True, threads=threads, across_epochs=across_epochs)
     assert list(range(21)) == sorted(indices(p))  # no world yet: the whole loader
     as_rank(monkeypatch, 1, 2)  # init_process_group
@@ -147,7 +148,7 @@ def test_epoch_under_way_when_the_group_came_up_ends_unsharded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The epoch begun before init ends as it began; the next one is sharded, at epoch 1."""
-    loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    loader = DataLoader(as_dataset(list(range(20))), batch_size=4, shuffle=True)
     p = nostall.prefetch(loader, "cpu", shard=True)
     it = iter(p)
     first = next(it)
@@ -162,13 +163,17 @@ def test_state_saved_once_the_group_came_up_resumes_the_shard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A state saved between the unsharded epoch and the first sharded one resumes the latter."""
-    p = nostall.prefetch(DataLoader(list(range(20)), batch_size=4, shuffle=True), shard=True)
+    p = nostall.prefetch(
+        DataLoader(as_dataset(list(range(20))), batch_size=4, shuffle=True), shard=True
+    )
     indices(p)
     as_rank(monkeypatch, 0, 2)
     state = p.state_dict()  # before epoch 1, which nostall counted (no set_epoch)
     expected = indices(p)
     p.close()
-    again = nostall.prefetch(DataLoader(list(range(20)), batch_size=4, shuffle=True), shard=True)
+    again = nostall.prefetch(
+        DataLoader(as_dataset(list(range(20))), batch_size=4, shuffle=True), shard=True
+    )
     again.load_state_dict(state)
     assert expected == indices(again)
     again.close()
@@ -201,13 +206,7 @@ def test_two_gloo_ranks_shard_every_epoch_after_init(tmp_path: Path) -> None:
     """torchrun, two ranks: the sanity epoch before init loads all; then disjoint halves."""
     script = tmp_path / "run.py"
     script.write_text(SANITY_THEN_DDP)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        capture_output=True, text=True, timeout=150, env=env, check=False,
-    )  # fmt: skip
+    done = run_torchrun(script, timeout=150)
     assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
     line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
     ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0

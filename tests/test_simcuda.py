@@ -12,13 +12,20 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from simcuda import Kind, SimTensor, Simulation, simulated_cuda
+from simcuda import Kind, SimStream, SimTensor, Simulation, simulated_cuda
 
 
 @pytest.fixture
 def sim() -> Iterator[Simulation]:
     with simulated_cuda() as s:
         yield s
+
+
+def as_if_nostall_made(stream: torch.cuda.Stream) -> None:
+    """Mark ``stream`` (a ``SimStream`` in the simulation) as one nostall created."""
+    simulated: object = stream
+    assert isinstance(simulated, SimStream)
+    simulated.library = True
 
 
 def test_values_are_computed_and_devices_reported(sim: Simulation) -> None:
@@ -46,7 +53,7 @@ def test_torch_is_restored_afterwards() -> None:
 
 def test_a_read_on_another_stream_needs_a_wait(sim: Simulation) -> None:
     x = torch.ones(4, device="cuda")
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(side):
         x * 2
     assert sim.kinds() == {Kind.UNORDERED}
@@ -59,7 +66,7 @@ def test_a_read_on_another_stream_needs_a_wait(sim: Simulation) -> None:
 
 def test_a_write_must_follow_reads_on_other_streams(sim: Simulation) -> None:
     x = torch.ones(4, device="cuda")
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         x * 2  # a read on the side stream
@@ -74,7 +81,7 @@ def _read_on(stream: torch.cuda.Stream, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_reuse_without_record_stream_is_found(sim: Simulation) -> None:
-    consumer = torch.cuda.Stream()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     x = torch.ones(256, device="cuda")
     kept = _read_on(consumer, x)
     del x  # back to the default stream's pool at once: nothing recorded the consumer's read
@@ -85,7 +92,7 @@ def test_reuse_without_record_stream_is_found(sim: Simulation) -> None:
 
 
 def test_record_stream_holds_the_block_until_the_host_saw_the_reader(sim: Simulation) -> None:
-    consumer = torch.cuda.Stream()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     x = torch.ones(256, device="cuda")
     where = _address(sim, x)
     _read_on(consumer, x)
@@ -141,8 +148,8 @@ def test_non_blocking_from_pageable_memory_is_found(sim: Simulation) -> None:
 
 def test_a_copy_waiting_for_model_work_is_a_false_dependency(sim: Simulation) -> None:
     x = torch.ones(4, device="cuda")
-    copy = torch.cuda.Stream()
-    copy.library = True  # as if nostall had made it
+    copy = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    as_if_nostall_made(copy)
     with sim.model_work():
         x * 2
     copy.wait_stream(torch.cuda.current_stream())
@@ -167,12 +174,12 @@ def test_devices_are_not_mixed(sim: Simulation) -> None:
     a + torch.tensor(2.0)  # a 0-dim CPU tensor is a scalar, as in torch
     assert [h.kind for h in sim.hazards] == [Kind.WRONG_DEVICE, Kind.WRONG_DEVICE]
     sim.hazards.clear()
-    a.record_stream(torch.cuda.Stream(1))
+    a.record_stream(torch.cuda.Stream(1))  # type: ignore[no-untyped-call]
     assert sim.kinds() == {Kind.WRONG_DEVICE}
 
 
 def test_streams_are_per_thread_and_per_device(sim: Simulation) -> None:
-    side = torch.cuda.Stream(1)
+    side = torch.cuda.Stream(1)  # type: ignore[no-untyped-call]
     seen: list[torch.cuda.Stream] = []
     with torch.cuda.stream(side):
         assert torch.cuda.current_device() == 1
@@ -220,7 +227,7 @@ def test_a_smaller_tensor_takes_the_best_fitting_free_block_split(sim: Simulatio
 
 def test_reuse_of_part_of_a_larger_block_without_record_stream_is_found(sim: Simulation) -> None:
     """The hazard a same-size-only allocator cannot see: a smaller tenant in a larger's memory."""
-    consumer = torch.cuda.Stream()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     big = torch.ones(2048, device="cuda")
     fence = torch.ones(128, device="cuda")  # keeps big's block from merging with the free tail
     kept = _read_on(consumer, big)
@@ -235,13 +242,13 @@ def test_reuse_of_part_of_a_larger_block_without_record_stream_is_found(sim: Sim
 
 def test_a_query_is_done_only_once_the_host_knows(sim: Simulation) -> None:
     x = torch.ones(4, device="cuda") * 2
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     stream = torch.cuda.current_stream()
-    assert not event.query()
+    assert not event.query()  # type: ignore[no-untyped-call]
     assert not stream.query()
     sim.time_passes()  # the GPU caught up; nobody waited
-    assert event.query()
+    assert event.query()  # type: ignore[no-untyped-call]
     assert stream.query()
     x.add_(1)
     assert not stream.query()
@@ -253,13 +260,13 @@ def test_a_query_is_done_only_once_the_host_knows(sim: Simulation) -> None:
 def test_polling_is_not_taken_for_a_sync(sim: Simulation) -> None:
     """A copy stream that polled the model's event has not waited for it: a false dependency."""
     x = torch.ones(4, device="cuda")
-    copy = torch.cuda.Stream()
-    copy.library = True
+    copy = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    as_if_nostall_made(copy)
     with sim.model_work():
         x * 2
-    done = torch.cuda.Event()
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     done.record()
-    assert not done.query()  # the old model answered "done" and took it as a sync
+    assert not done.query()  # type: ignore[no-untyped-call]  # the old model answered "done" and took it as a sync
     copy.wait_event(done)
     with torch.cuda.stream(copy):
         torch.ones(4).pin_memory().to("cuda", non_blocking=True)
@@ -295,7 +302,7 @@ def test_a_non_blocking_download_does_not_block_a_nostall_thread(sim: Simulation
 def test_leaving_a_stream_of_another_device_sets_the_previous_device_eagerly(
     sim: Simulation,
 ) -> None:
-    side = torch.cuda.Stream(1)
+    side = torch.cuda.Stream(1)  # type: ignore[no-untyped-call]
     assert sim.contexts == {1}
     with torch.cuda.device(1):  # entering sets eagerly, leaving only notes device 0
         pass
@@ -310,7 +317,7 @@ def test_leaving_a_stream_of_another_device_sets_the_previous_device_eagerly(
 
 def test_a_nostall_thread_making_a_context_on_an_unused_device_is_found(sim: Simulation) -> None:
     torch.cuda.set_device(1)
-    side = torch.cuda.Stream(1)
+    side = torch.cuda.Stream(1)  # type: ignore[no-untyped-call]
 
     def work() -> None:
         with torch.cuda.stream(side):  # current device 0 in a new thread: back to it after
@@ -329,8 +336,8 @@ def test_a_nostall_thread_making_a_context_on_an_unused_device_is_found(sim: Sim
 def test_capture_rules(sim: Simulation, mode: str) -> None:
     """What CUDA forbids during capture, by mode; other threads' own streams are free."""
     x = torch.ones(4, device="cuda")
-    copy = torch.cuda.Stream()
-    copy.library = True
+    copy = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    as_if_nostall_made(copy)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode=mode):
         capture = torch.cuda.current_stream()
@@ -342,7 +349,7 @@ def test_capture_rules(sim: Simulation, mode: str) -> None:
             seen.append(torch.cuda.is_current_stream_capturing())
             with torch.cuda.stream(copy):
                 torch.ones(4).pin_memory().to("cuda", non_blocking=True)
-                torch.cuda.Event().record()
+                torch.cuda.Event().record()  # type: ignore[no-untyped-call]
             torch.cuda.synchronize()  # forbidden in global mode only
 
         thread = threading.Thread(target=other)

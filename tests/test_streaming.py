@@ -139,14 +139,14 @@ def test_a_hf_iterable_dataset_follows_set_epoch(num_workers: int) -> None:
     stream = table.to_iterable_dataset(num_shards=4).with_format("torch")
     stream = stream.shuffle(seed=1, buffer_size=8)
     loader = DataLoader(stream, batch_size=4, num_workers=num_workers)
-    expected = []
+    expected: list[dict[str, torch.Tensor]] = []
     for epoch in range(2):
         stream.set_epoch(epoch)
         expected.extend(loader)
     # The epochs differ, so following set_epoch matters.
     assert [b["y"].tolist() for b in expected[:6]] != [b["y"].tolist() for b in expected[6:]]
     prefetcher = nostall.prefetch(loader)
-    actual = []
+    actual: list[dict[str, torch.Tensor]] = []
     for epoch in range(2):
         prefetcher.set_epoch(epoch)
         actual.extend(prefetcher)

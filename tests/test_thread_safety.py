@@ -77,7 +77,10 @@ class OwnNoise(Dataset[torch.Tensor]):
 
 def _worker_rng() -> torch.Generator | None:
     info = torch.utils.data.get_worker_info()
-    return None if info is None else info.rng.torch_generator
+    if info is None:
+        return None
+    assert info.rng is not None  # torch gives every worker its own
+    return info.rng.torch_generator
 
 
 def _thread_safe_generator() -> torch.Generator | None:

@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_batches, refused_thread_starts, wait_for_no_nostall_threads
+from helpers import (
+    as_dataset,
+    assert_same_batches,
+    refused_thread_starts,
+    wait_for_no_nostall_threads,
+)
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
@@ -34,7 +39,8 @@ class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if not self.draw:
             return torch.tensor([i]), torch.zeros(1)
         info = torch.utils.data.get_worker_info()  # the sample's own rng in a loading thread
-        generator = None if info is None else info.rng.torch_generator
+        rng = None if info is None else info.rng
+        generator = None if rng is None else rng.torch_generator
         return torch.tensor([i]), torch.rand(1, generator=generator)
 
 
@@ -97,7 +103,10 @@ def test_thread_safe_generator_gives_the_samples_own_generator() -> None:
 
         def __getitem__(self, i: int) -> torch.Tensor:
             generator = torch.thread_safe_generator()
-            assert generator is torch.utils.data.get_worker_info().rng.torch_generator
+            info = torch.utils.data.get_worker_info()
+            assert info is not None
+            assert info.rng is not None
+            assert generator is info.rng.torch_generator
             return torch.rand(1, generator=generator)
 
     draws = []
@@ -135,14 +144,18 @@ def test_look_ahead_follows_the_room_it_is_given() -> None:
     """An epoch starts as many batches ahead as room() allows, no more."""
     pool = Pool(2, "nostall-load")
     for room in (0, 2):
-        epoch = ThreadedEpoch(DataLoader(list(range(20)), batch_size=2), pool, lambda r=room: r)
+
+        def given(r: int = room) -> int:
+            return r
+
+        epoch = ThreadedEpoch(DataLoader(as_dataset(list(range(20))), batch_size=2), pool, given)
         assert [0, 1] == next(epoch).tolist()
         assert room == len(epoch.pending)
 
 
 def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
     """After a resume the epoch still looks ahead, and numbers its batches from where it was."""
-    loader = DataLoader(list(range(20)), batch_size=2)
+    loader = DataLoader(as_dataset(list(range(20))), batch_size=2)
     with unwatched():  # known to draw nothing: no batch is loaded in step (test_global_draws)
         epochs = EpochSource(loader, False, None, threads=2)
     epochs.room = lambda: 3
@@ -164,7 +177,7 @@ def test_the_look_ahead_never_asks_the_sampler_past_its_length() -> None:
         def __len__(self) -> int:
             return 3
 
-    loader = DataLoader(list(range(6)), batch_sampler=Counted())
+    loader = DataLoader(as_dataset(list(range(6))), batch_sampler=Counted())
     it = iter(nostall.prefetch(loader, "cpu", depth=8, threads=2))
     assert [[0, 1], [2, 3], [4, 5]] == [next(it).tolist() for _ in range(len(loader))]
     assert [] == asked_past_end
@@ -198,7 +211,7 @@ def test_a_sampler_error_comes_after_the_batches_before_it() -> None:
                 if len(out) > 6:
                     return out
 
-    loader = DataLoader(list(range(6)), batch_sampler=Breaks())
+    loader = DataLoader(as_dataset(list(range(6))), batch_sampler=Breaks())
     expected = run(loader)
     assert expected == [[0, 1], [2, 3], [4, 5], "the sampler broke"]
     assert expected == run(nostall.prefetch(loader, "cpu", depth=3, threads=2))
@@ -207,11 +220,11 @@ def test_a_sampler_error_comes_after_the_batches_before_it() -> None:
 def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
     """get_worker_info() in a loading thread: worker_method 'thread', its id and rng."""
 
-    class Info(Dataset[tuple[str, int, int]]):
+    class Info(Dataset[tuple[str | None, int, int]]):
         def __len__(self) -> int:
             return 8
 
-        def __getitem__(self, i: int) -> tuple[str, int, int]:
+        def __getitem__(self, i: int) -> tuple[str | None, int, int]:
             info = torch.utils.data.get_worker_info()
             assert info is not None
             return info.worker_method, info.id, info.num_workers
@@ -293,7 +306,9 @@ def test_a_sample_error_arrives_in_order_as_the_users_exception_and_the_epoch_go
     with pytest.raises(ValueError, match="sample 5 is broken") as info:
         next(it)
     assert info.value is boom
-    assert any("dataset[5]" in note and "nostall-load" in note for note in boom.__notes__)
+    assert any(
+        "dataset[5]" in note and "nostall-load" in note for note in getattr(boom, "__notes__", [])
+    )
     assert [[6, 7, 8], [9, 10, 11]] == [b.tolist() for b in it]  # as a DataLoader goes on
 
 
@@ -317,7 +332,9 @@ def test_set_epoch_resume_transform_and_profile_work_as_without_threads() -> Non
     data = Numbers(24)
 
     def build() -> Any:
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=4)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            data, num_replicas=1, rank=0, shuffle=True, seed=4
+        )
         return DataLoader(data, batch_size=4, sampler=sampler)
 
     plain = build()
@@ -358,10 +375,20 @@ def test_across_epochs_opens_each_epoch_as_the_loader_would() -> None:
 @pytest.mark.parametrize(
     ("source", "threads", "error", "message"),
     [
-        (DataLoader(range(4)), "2", TypeError, "threads=...) must be an int >= 1 or None"),
-        (DataLoader(range(4)), 0, ValueError, "must be >= 1 (got 0)"),
+        (
+            DataLoader(as_dataset(range(4))),
+            "2",
+            TypeError,
+            "threads=...) must be an int >= 1 or None",
+        ),
+        (DataLoader(as_dataset(range(4))), 0, ValueError, "must be >= 1 (got 0)"),
         ([1, 2], 2, TypeError, "got list: pass the DataLoader itself"),
-        (DataLoader(range(4), num_workers=2), 2, ValueError, "build it with num_workers=0"),
+        (
+            DataLoader(as_dataset(range(4)), num_workers=2),
+            2,
+            ValueError,
+            "build it with num_workers=0",
+        ),
     ],
 )
 def test_what_threads_cannot_load_is_refused_with_the_fix(
@@ -375,9 +402,12 @@ def test_what_threads_cannot_load_is_refused_with_the_fix(
 def test_a_thread_count_past_the_maximum_is_refused() -> None:
     """threads=10_000 started hundreds of threads: past MAX_THREADS it is a ValueError."""
     with pytest.raises(ValueError, match=re.escape("must be <= 256 (got 10000)")):
-        nostall.prefetch(DataLoader(range(4)), "cpu", threads=10_000)
+        nostall.prefetch(DataLoader(as_dataset(range(4))), "cpu", threads=10_000)
     assert [[0, 1, 2, 3]] == [
-        b.tolist() for b in nostall.prefetch(DataLoader(range(4), batch_size=4), "cpu", threads=256)
+        b.tolist()
+        for b in nostall.prefetch(
+            DataLoader(as_dataset(range(4)), batch_size=4), "cpu", threads=256
+        )
     ]
 
 
@@ -395,7 +425,7 @@ def test_an_iterable_dataset_or_an_own_iter_is_refused() -> None:
     with pytest.raises(ValueError, match="IterableDataset"):
         nostall.prefetch(DataLoader(Stream()), "cpu", threads=2)
     with pytest.raises(ValueError, match="iterates in its own way"):
-        nostall.prefetch(Own(range(3)), "cpu", threads=2)
+        nostall.prefetch(Own(as_dataset(range(3))), "cpu", threads=2)
 
 
 def test_a_dataset_with_getitems_gets_whole_batches() -> None:
@@ -421,13 +451,13 @@ def test_pin_memory_is_decided_as_the_loaders_iterator_decides() -> None:
 
     plain = DataLoader(Numbers(), batch_size=4, pin_memory=False)
     assert pinning_like(plain) is None
-    assert not iter(plain)._pin_memory  # type: ignore[attr-defined]
+    assert not iter(plain)._pin_memory
     pinning = DataLoader(Numbers(), batch_size=4, pin_memory=True)
     if torch.accelerator.is_available():
-        pins = iter(pinning)._pin_memory  # type: ignore[attr-defined]
+        pins = iter(pinning)._pin_memory
     else:
         with pytest.warns(UserWarning, match="no accelerator is found"):
-            pins = iter(pinning)._pin_memory  # type: ignore[attr-defined]
+            pins = iter(pinning)._pin_memory
         assert not pins
     assert pins == (pinning_like(pinning) is not None)
 
@@ -467,7 +497,7 @@ class _MadeOnTheGpu(torch.utils.data.Dataset[torch.Tensor]):
     """Each sample made on the current device; notes the stream its thread ran it on."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.streams = n, set()
+        self.n, self.streams = n, set[int]()
 
     def __len__(self) -> int:
         return self.n
@@ -482,7 +512,7 @@ def test_loading_threads_do_gpu_work_on_the_source_stream() -> None:
     """Not on the legacy default stream (seen on an H100 before): on the prefetcher's own."""
     dataset = _MadeOnTheGpu(64)
     p = nostall.prefetch(DataLoader(dataset, batch_size=8), "cuda", threads=2)
-    consumer = torch.cuda.Stream()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(consumer):
         sums = [float(b.sum()) for b in p]
     assert [1024.0 * sum(range(8 * k, 8 * k + 8)) for k in range(8)] == sums
@@ -508,7 +538,7 @@ def test_a_worker_init_fn_is_not_called_and_the_user_is_told() -> None:
 
 def test_refused_loading_threads_fail_their_batch_with_the_os_error_then_load() -> None:
     """Every slot refused by the OS: that batch raises the OS's error once; the rest load."""
-    loader = DataLoader(list(range(24)), batch_size=4)
+    loader = DataLoader(as_dataset(list(range(24))), batch_size=4)
     with unwatched():  # no batch loaded in the consumer's thread first: the pool starts at once
         p = nostall.prefetch(loader, threads=2, timeout=30)
     got: list[Any] = []
@@ -537,7 +567,7 @@ def test_pool_task_without_a_thread_gets_the_os_error() -> None:
 
 def test_a_refused_loading_thread_leaves_the_running_ones_loading() -> None:
     """One loading thread of two is refused: one warning, every batch, in order."""
-    loader = DataLoader(list(range(24)), batch_size=4)
+    loader = DataLoader(as_dataset(list(range(24))), batch_size=4)
     with (
         refused_thread_starts("nostall-load-1") as refused,
         pytest.warns(RuntimeWarning, match="could not start loading thread"),

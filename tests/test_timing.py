@@ -1,4 +1,4 @@
-"""Timer, timeit and run_concurrently: right under asynchronous execution."""
+"""Timer, timeit and run_concurrently: right under asynchronous execution; Measured figures."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nostall
+from nostall._timing import Measured
 
 
 def test_timeit_on_the_cpu() -> None:
@@ -24,7 +25,52 @@ def test_timeit_on_the_cpu() -> None:
     assert 5 == len(timing.times)
     assert 0.019 < timing.median < 0.05
     assert timing.spread >= 0
-    assert "median" in str(timing)
+    assert str(timing).startswith("median ")
+
+
+def test_measured_gives_median_range_and_count_of_its_runs() -> None:
+    """Median, least, greatest and count, whatever the unit; the runs kept in their order."""
+    figure = Measured((3.0, 1.0, 2.0))
+    assert (2.0, 1.0, 3.0, 3) == (figure.median, figure.low, figure.high, figure.n)
+    assert (3.0, 1.0, 2.0) == figure.runs
+    assert 1.0 == figure.spread
+
+
+def test_measured_formats_as_a_table_cell_and_describes_with_its_unit() -> None:
+    """f"{x:.2f}" is the median then the range; describe() adds the unit and the count."""
+    assert "1.25 (1.10-1.40)" == f"{Measured((1.1, 1.25, 1.4)):.2f}"
+    rate = Measured((1000.0, 1200.0, 1100.0))
+    assert "1,100 samples/s (1,000-1,200 over 3 runs)" == rate.describe(",.0f", "samples/s")
+    assert "1,000 samples/s (one run)" == Measured((1000.0,)).describe(",.0f", "samples/s")
+
+
+def test_measured_says_which_side_of_one_a_ratio_lies() -> None:
+    """Only a range wholly above (or below) 1 is a gain (or a cost)."""
+    assert Measured((1.1, 1.2, 1.4)).exceeds_one
+    assert Measured((0.7, 0.8, 0.9)).below_one
+    straddling = Measured((0.95, 1.05, 1.2))
+    assert not straddling.exceeds_one
+    assert not straddling.below_one
+
+
+def test_measured_refuses_no_runs() -> None:
+    """A figure nobody measured is None, not an empty Measured."""
+    with pytest.raises(ValueError, match=r"at least one run \(got \(\)\)"):
+        Measured(())
+
+
+def test_measured_refuses_runs_that_are_not_a_tuple() -> None:
+    """A list would make a frozen, hashable value mutable: the error says what to pass."""
+    with pytest.raises(TypeError, match=r"got list\): pass tuple\(values\)"):
+        Measured([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_timing_is_the_measured_type_under_its_public_name() -> None:
+    """nostall.cuda.Timing, which timeit returns, is Measured; .times reads its runs."""
+    assert nostall.cuda.Timing is nostall.cuda.Measured
+    timing = nostall.cuda.timeit(lambda: None, repeat=3, warmup=0, device="cpu")
+    assert isinstance(timing, nostall.cuda.Timing)
+    assert timing.runs == timing.times
 
 
 def test_timer_context_on_the_cpu() -> None:
@@ -43,9 +89,16 @@ def test_timeit_rejects_bad_counts() -> None:
 def test_run_concurrently_on_the_cpu_runs_in_order() -> None:
     """Without CUDA the callables run one after the other; results in order."""
     order: list[int] = []
-    results = nostall.cuda.run_concurrently(
-        lambda: order.append(1) or "a", lambda: order.append(2) or "b", device="cpu"
-    )
+
+    def first() -> str:
+        order.append(1)
+        return "a"
+
+    def second() -> str:
+        order.append(2)
+        return "b"
+
+    results = nostall.cuda.run_concurrently(first, second, device="cpu")
     assert ["a", "b"] == results
     assert [1, 2] == order
 
@@ -83,14 +136,14 @@ def test_cuda_run_concurrently_prevents_the_seed_004_race() -> None:
     n = 1 << 26
 
     def fill(x: torch.Tensor) -> None:
-        torch.cuda._sleep(50_000_000)  # keep the default stream busy
+        torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # keep the default stream busy
         x.fill_(1.0)
 
     # Every allocation is made before the race: a cudaMalloc (a stream's first allocation of
     # a size) may synchronise the whole device and so hide the race (seen on an H100: the
     # test passed the wrong example when x and the side stream's sum output were new blocks).
     x = torch.zeros(n, device="cuda")
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(side):
         x.sum()  # the side stream's pool now holds what a sum allocates
     torch.cuda.synchronize()

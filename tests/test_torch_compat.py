@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import as_dataset
 from torch.utils.data import DataLoader, SequentialSampler
 from torch.utils.data._utils import signal_handling
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -31,7 +32,9 @@ def test_the_installed_torch_is_one_these_internals_were_checked_on() -> None:
 
 
 def test_a_persistent_loader_keeps_its_iterator_where_nostall_reads_it() -> None:
-    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    loader = DataLoader(
+        as_dataset(list(range(4))), batch_size=2, num_workers=1, persistent_workers=True
+    )
     assert live_iterator(loader) is None  # fresh: no workers yet
     list(loader)
     first = live_iterator(loader)
@@ -42,10 +45,10 @@ def test_a_persistent_loader_keeps_its_iterator_where_nostall_reads_it() -> None
 
 
 def test_a_built_loader_refuses_a_sampler_and_a_copy_takes_one() -> None:
-    loader = DataLoader(list(range(6)), batch_size=2)
+    loader = DataLoader(as_dataset(list(range(6))), batch_size=2)
     reverse = list(reversed(range(6)))
     with pytest.raises(ValueError, match="sampler attribute should not be set"):
-        loader.sampler = reverse  # type: ignore[assignment]
+        loader.sampler = reverse
     clone = copy_loader(
         loader,
         sampler=reverse,
@@ -57,13 +60,16 @@ def test_a_built_loader_refuses_a_sampler_and_a_copy_takes_one() -> None:
 
 
 def test_a_copy_leaves_the_original_its_workers() -> None:
-    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    loader = DataLoader(
+        as_dataset(list(range(4))), batch_size=2, num_workers=1, persistent_workers=True
+    )
     list(loader)
     workers = live_iterator(loader)
+    assert isinstance(workers, _MultiProcessingDataLoaderIter)
     clone = copy_loader(loader)
     assert live_iterator(clone) is None
     assert live_iterator(loader) is workers
-    workers._shutdown_workers()  # type: ignore[union-attr]
+    workers._shutdown_workers()
 
 
 @pytest.fixture
@@ -93,7 +99,7 @@ def test_a_bare_queue_error_comes_through_while_the_worker_looks_alive() -> None
     The helper finds the iterator the error came through and, once the worker is dead, names
     it, waiting a while for a worker that is dying; not a worker torch no longer counts on.
     """
-    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    loader = DataLoader(as_dataset(list(range(8))), batch_size=2, num_workers=1)
     it = iter(loader)
     assert isinstance(it, _MultiProcessingDataLoaderIter)
     next(it)
@@ -101,17 +107,18 @@ def test_a_bare_queue_error_comes_through_while_the_worker_looks_alive() -> None
     def ended(*args: object, **kwargs: object) -> None:
         raise EOFError
 
-    it._data_queue.get = ended  # type: ignore[attr-defined]
+    it._data_queue.get = ended  # type: ignore[method-assign]
     with pytest.raises(EOFError) as caught:
         next(it)
     assert [] == dead_workers_behind(caught.value, wait_s=0.1)  # its worker is alive
-    worker = it._workers[0]  # type: ignore[attr-defined]
+    worker = it._workers[0]
+    assert worker.pid is not None  # started
     os.kill(worker.pid, signal.SIGKILL)  # dying, not yet reaped: the helper waits for it
     (dead,) = dead_workers_behind(caught.value, wait_s=60)
     assert f"pid {worker.pid}, killed by SIGKILL" == dead
-    it._workers_status[0] = False  # type: ignore[attr-defined]  # torch no longer counts on it
+    it._workers_status[0] = False  # torch no longer counts on it
     assert [] == dead_workers_behind(caught.value, wait_s=0)
-    it._shutdown_workers()  # type: ignore[attr-defined]
+    it._shutdown_workers()
 
 
 class _Ends(torch.utils.data.Dataset[int]):
@@ -149,10 +156,10 @@ def test_a_worker_dead_behind_an_error_is_named_once(
         if self._rcvd_idx == 2:  # the third batch: its worker dies handing it over
             _kill_workers(self)
             raise error
-        return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_try_get_data", dies)
-    loader = DataLoader(list(range(16)), batch_size=2, num_workers=1)
+    loader = DataLoader(as_dataset(list(range(16))), batch_size=2, num_workers=1)
     with nostall.prefetch(loader, "cpu") as prefetcher:
         batches = iter(prefetcher)
         seen = [next(batches).tolist(), next(batches).tolist()]
@@ -160,7 +167,7 @@ def test_a_worker_dead_behind_an_error_is_named_once(
             next(batches)
     assert caught.value is error
     assert [[0, 1], [2, 3]] == seen  # every batch before it
-    (note,) = [n for n in error.__notes__ if n.startswith("nostall:")]
+    (note,) = [n for n in getattr(error, "__notes__", []) if n.startswith("nostall:")]
     assert "raised by next(source) for batch 2" in note
     assert named == ("a DataLoader worker having died (pid " in note), note
     assert named == ("killed by SIGKILL" in note), note

@@ -9,42 +9,19 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished
+from helpers import assert_torchrun_finished, run_torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLES, EPOCHS, BATCH = 80, 3, 8  # as in the example: 40 samples, 5 batches per rank and epoch
 STOP_AFTER = 7  # the 2nd batch of epoch 1: mid-epoch, and after the epoch boundary was crossed
 
 
 def torchrun(checkpoint: Path, *args: str) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "examples/torchrun_resume.py",
-            "--checkpoint",
-            str(checkpoint),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-        cwd=ROOT,
-        env=env,
+    done = run_torchrun(
+        "examples/torchrun_resume.py", "--checkpoint", str(checkpoint), *args, timeout=150
     )
     ranks = "\n".join(line for line in done.stderr.splitlines() if line.startswith("[rank"))
     assert 0 == done.returncode, (
@@ -53,7 +30,8 @@ def torchrun(checkpoint: Path, *args: str) -> None:
 
 
 def seen(checkpoint: Path, rank: int) -> dict[str, list[int]]:
-    return json.loads((checkpoint / f"seen-rank{rank}.json").read_text())
+    recorded: dict[str, list[int]] = json.loads((checkpoint / f"seen-rank{rank}.json").read_text())
+    return recorded
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +105,7 @@ def test_loading_threads_with_shard_give_each_rank_its_part(tmp_path: Path) -> N
     """torchrun, two ranks, threads=2 and shard=True: disjoint parts covering the data."""
     script = tmp_path / "run.py"
     script.write_text(LOADING_THREADS_RUN)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
-    )  # fmt: skip
+    done = run_torchrun(script, timeout=120)
     assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
     line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
     ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0

@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from simcuda import STREAM_POOL, Kind, Simulation, simulated_cuda
+from helpers import as_dataset
+from simcuda import STREAM_POOL, Kind, SimStream, Simulation, simulated_cuda
 
 import nostall
 from nostall import _streams
@@ -66,7 +67,7 @@ def _consume(
     sim: Simulation, batches: Any, consumer: str = "default", limit: int | None = None
 ) -> list[torch.Tensor]:
     """Run the model on each batch on the consumer's stream; the host waits only at the end."""
-    stream = torch.cuda.Stream() if consumer == "side" else None
+    stream = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
     outs = []
     with torch.cuda.stream(stream):
         for i, batch in enumerate(batches):
@@ -80,6 +81,12 @@ def _consume(
 
 def _expected(batches: Any) -> list[torch.Tensor]:
     return [_model(b) for b in batches]
+
+
+def sim_id(stream: object) -> int:
+    """The simulation's number for ``stream``, which torch.cuda made (a ``SimStream`` here)."""
+    assert isinstance(stream, SimStream)
+    return stream.id
 
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -214,7 +221,9 @@ def _consume_objects(sim: Simulation, p: Any) -> list[torch.Tensor]:
 
 
 def test_across_epochs(sim: Simulation) -> None:
-    loader = torch.utils.data.DataLoader(torch.arange(48.0).reshape(24, 2), batch_size=4)
+    loader = torch.utils.data.DataLoader(
+        as_dataset(torch.arange(48.0).reshape(24, 2)), batch_size=4
+    )
     p = nostall.prefetch(loader, "cuda", across_epochs=True)
     got = _consume(sim, p, "side") + _consume(sim, p, "side")
     _same(got, _expected(loader) * 2)
@@ -224,7 +233,7 @@ def test_across_epochs(sim: Simulation) -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_source(sim: Simulation, workers: int) -> None:
     loader = torch.utils.data.DataLoader(
-        torch.arange(96.0).reshape(24, 4), batch_size=4, num_workers=workers
+        as_dataset(torch.arange(96.0).reshape(24, 4)), batch_size=4, num_workers=workers
     )
     got = _consume(sim, nostall.prefetch(loader, "cuda", transform=T.ToDtype(torch.float16)))
     _same(got, _expected([b.half() for b in loader]))
@@ -233,7 +242,9 @@ def test_dataloader_source(sim: Simulation, workers: int) -> None:
 
 def test_loading_threads_across_epochs_with_a_transform(sim: Simulation) -> None:
     """threads=: batches the threads made cross on the copy stream like any other."""
-    loader = torch.utils.data.DataLoader(torch.arange(96.0).reshape(24, 4), batch_size=4)
+    loader = torch.utils.data.DataLoader(
+        as_dataset(torch.arange(96.0).reshape(24, 4)), batch_size=4
+    )
     p = nostall.prefetch(
         loader, "cuda", threads=3, across_epochs=True, transform=T.ToDtype(torch.float16)
     )
@@ -384,7 +395,7 @@ def _count_stages(monkeypatch: pytest.MonkeyPatch) -> _Stages:
 
 
 def test_to_device_from_pinned_memory(sim: Simulation) -> None:
-    batch = {"x": torch.arange(12.0).reshape(3, 4), "names": ["a"]}
+    batch: dict[str, Any] = {"x": torch.arange(12.0).reshape(3, 4), "names": ["a"]}
     moved = nostall.cuda.to_device(nostall.cuda.pin_memory(batch), "cuda", non_blocking=True)
     assert moved["x"].device == torch.device("cuda", 0)
     assert moved["names"] == ["a"]
@@ -394,7 +405,7 @@ def test_to_device_from_pinned_memory(sim: Simulation) -> None:
 
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_run_concurrently(sim: Simulation, consumer: str) -> None:
-    stream = torch.cuda.Stream() if consumer == "side" else None
+    stream = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         x = torch.arange(8.0, device="cuda")  # written on the caller's stream
         a, b = nostall.cuda.run_concurrently(lambda: x * 2, lambda: x + 1)
@@ -636,9 +647,9 @@ def test_canary_run_concurrently(
     # Streams come from a pool: a later Stream() is the CUDA stream that made ``a``. Work
     # there need not wait for the caller, so only record_stream keeps ``a``'s memory from it.
     for _ in range(STREAM_POOL - 2):
-        torch.cuda.Stream()
-    again = torch.cuda.Stream()
-    assert again.id == 1 + made % STREAM_POOL
+        torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    again = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    assert sim_id(again) == 1 + made % STREAM_POOL
     with torch.cuda.stream(again):
         torch.full((8,), 0.0, device="cuda")
     assert torch.equal(total.cpu(), torch.arange(8.0) * 3 + 1)
@@ -681,7 +692,7 @@ def test_slotted_objects_are_protected_too(sim: Simulation, consumer: str) -> No
     """Their tensors get record_stream like any other: no memory reused under the consumer."""
     data = _images(8)
     p = nostall.prefetch([SlottedPinnable(x) for x in data], "cuda", depth=2)
-    stream = torch.cuda.Stream() if consumer == "side" else None
+    stream = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
     outs = []
     with torch.cuda.stream(stream):
         for obj in p:
@@ -743,7 +754,7 @@ def test_a_lent_copy_stream_is_reused_safely_by_the_next_prefetcher(sim: Simulat
     """
     import gc
 
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     first = nostall.prefetch(_images(2), "cuda")
     with torch.cuda.stream(side):
         kept = list(first)
@@ -808,7 +819,7 @@ class KeptIn:
 
 def _consume_dropping(sim: Simulation, batches: Any, consumer: str, read: Any) -> list[Any]:
     """Read each batch on the consumer's stream and drop it at once, as a training loop does."""
-    stream = torch.cuda.Stream() if consumer == "side" else None
+    stream = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
     outs = []
     with torch.cuda.stream(stream):
         for batch in batches:
@@ -834,6 +845,8 @@ def test_copies_an_object_keeps_anywhere_are_protected(
 
 class Hidden:
     """A batch whose ``.to()`` result keeps its tensor in a closure, out of nostall's sight."""
+
+    get: Callable[[], torch.Tensor]
 
     def __init__(self, x: torch.Tensor, hide: bool = False) -> None:
         if hide:
@@ -957,7 +970,7 @@ class DecodedOnTheGpu(torch.utils.data.Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         with self.lock:
-            self.seen.append((torch.cuda.current_device(), torch.cuda.current_stream().id))
+            self.seen.append((torch.cuda.current_device(), sim_id(torch.cuda.current_stream())))
         return torch.full((3, 8, 8), float(i), device="cuda") * 2
 
 
@@ -975,7 +988,7 @@ def test_loading_threads_run_on_the_prefetchers_device_and_source_stream(
     loader = torch.utils.data.DataLoader(dataset, batch_size=4)
     p = nostall.prefetch(loader, device, threads=2)
     index = torch.device(device).index
-    stream = torch.cuda.Stream(index) if consumer == "side" else None
+    stream = torch.cuda.Stream(index) if consumer == "side" else None  # type: ignore[no-untyped-call]
     outs = []
     with _consumer_pulls_first() as pulled, torch.cuda.device(index), torch.cuda.stream(stream):
         for batch in p:
@@ -987,7 +1000,9 @@ def test_loading_threads_run_on_the_prefetchers_device_and_source_stream(
     assert pulled.is_set()
     samples = torch.arange(16.0).repeat_interleave(192).reshape(4, 4, 3, 8, 8) * 2
     _same([o.cpu() for o in outs], _expected(list(samples)))
-    source_stream = p._staging.source_stream.id
+    staging = p._staging
+    assert isinstance(staging, CudaStaging)
+    source_stream = sim_id(staging.source_stream)
     assert {(index, source_stream)} == set(dataset.seen)
     assert sim.hazards == []
 
@@ -1105,7 +1120,7 @@ def test_canary_the_consumer_waits_only_for_its_own_batch(
     to_half = T.ToDtype(torch.float16)
     p = nostall.prefetch(data, "cuda", depth=2, transform=to_half)
     it = iter(p)
-    stream = torch.cuda.Stream() if consumer == "side" else None
+    stream = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
     outs = []
     with contextlib.closing(p), torch.cuda.stream(stream):
         for i in range(len(data)):
@@ -1141,7 +1156,7 @@ def test_the_source_reads_device_data_after_the_work_that_wrote_it(sim: Simulati
     x.mul_(2)  # queued on the default stream, not finished as far as the host knows
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
     got = _consume(sim, (b for (b,) in nostall.prefetch(loader, "cuda")), consumer)
-    _same(got, _expected(list((torch.arange(48.0).reshape(12, 4) * 2).split(4))))
+    _same(got, _expected(list(torch.split(torch.arange(48.0).reshape(12, 4) * 2, 4))))
     assert sim.hazards == []
 
 

@@ -354,7 +354,9 @@ def test_prefetcher_checkpoint_resumes_the_transform_draws() -> None:
     for i in range(4):
         torch.testing.assert_close(next(it), expected[i], atol=0, rtol=0)
     # The producer runs ahead: the pipeline's generators are past batch 4.
-    wait_until(lambda: it._puller.pulled >= 6, "the producer transformed ahead")
+    puller = it._puller
+    assert puller is not None  # the first next() started it
+    wait_until(lambda: puller.pulled >= 6, "the producer transformed ahead")
     saved = io.BytesIO()
     torch.save(p.state_dict(), saved)
     p.close()
@@ -403,14 +405,14 @@ def test_crop_arguments_are_checked() -> None:
         [
             (lambda: T.RandomResizedCrop(0), ValueError, r"size=\.\.\.\) must be > 0 \(got size=0"),
             (lambda: T.RandomResizedCrop((224, -1)), ValueError, "must be > 0"),
-            (lambda: T.RandomResizedCrop(2.5), TypeError, "an int or a pair of ints"),
-            (lambda: T.RandomResizedCrop("224"), TypeError, "an int or a pair of ints"),
-            (lambda: T.RandomResizedCrop((224,)), TypeError, "an int or a pair of ints"),
-            (lambda: T.RandomResizedCrop(8, seed=1.0), TypeError, r"seed=\.\.\.\) must be an int"),
-            (lambda: T.RandomResizedCrop(8, dtype="float16"), TypeError, "must be a torch.dtype"),
+            (lambda: T.RandomResizedCrop(2.5), TypeError, "an int or a pair of ints"),  # type: ignore[arg-type]
+            (lambda: T.RandomResizedCrop("224"), TypeError, "an int or a pair of ints"),  # type: ignore[arg-type]
+            (lambda: T.RandomResizedCrop((224,)), TypeError, "an int or a pair of ints"),  # type: ignore[arg-type]
+            (lambda: T.RandomResizedCrop(8, seed=1.0), TypeError, r"seed=\.\.\.\) must be an int"),  # type: ignore[arg-type]
+            (lambda: T.RandomResizedCrop(8, dtype="float16"), TypeError, "must be a torch.dtype"),  # type: ignore[arg-type]
             (lambda: T.RandomResizedCrop(8, dtype=torch.uint8), ValueError, "floating-point"),
             (lambda: T.RandomResizedCrop(8, scale=(0.9, 0.1)), ValueError, "scale"),
-            (lambda: T.RandomResizedCrop(8, ratio=(1.0,)), ValueError, "two numbers"),
+            (lambda: T.RandomResizedCrop(8, ratio=(1.0,)), ValueError, "two numbers"),  # type: ignore[arg-type]
             (lambda: T.RandomResizedCrop(8, ratio=(0.0, 1.0)), ValueError, "ratio"),
         ]
     )
@@ -421,8 +423,8 @@ def test_flip_arguments_are_checked() -> None:
     _assert_refused(
         [
             (lambda: T.RandomHorizontalFlip(seed=True), TypeError, "must be an int"),
-            (lambda: T.RandomHorizontalFlip(seed="0"), TypeError, "must be an int"),
-            (lambda: T.RandomHorizontalFlip(p="0.5"), TypeError, r"p=\.\.\.\) must be a number"),
+            (lambda: T.RandomHorizontalFlip(seed="0"), TypeError, "must be an int"),  # type: ignore[arg-type]
+            (lambda: T.RandomHorizontalFlip(p="0.5"), TypeError, r"p=\.\.\.\) must be a number"),  # type: ignore[arg-type]
             (lambda: T.RandomHorizontalFlip(p=1.5), ValueError, "between 0 and 1"),
             (lambda: T.RandomHorizontalFlip(p=math.nan), ValueError, "between 0 and 1"),
         ]
@@ -433,11 +435,11 @@ def test_normalize_arguments_are_checked() -> None:
     """mean and std: numbers, one of each per channel, finite, std > 0; a float dtype."""
     _assert_refused(
         [
-            (lambda: T.Normalize(MEAN, STD, dtype="float16"), TypeError, "must be a torch.dtype"),
+            (lambda: T.Normalize(MEAN, STD, dtype="float16"), TypeError, "must be a torch.dtype"),  # type: ignore[arg-type]
             (lambda: T.Normalize(MEAN, STD, dtype=torch.int64), ValueError, "floating-point"),
-            (lambda: T.Normalize("rgb", STD), TypeError, "sequence of numbers"),
-            (lambda: T.Normalize(torch.tensor(MEAN), STD), TypeError, "sequence of numbers"),
-            (lambda: T.Normalize(MEAN, (0.2, "x", 0.2)), TypeError, r"std\[1\]"),
+            (lambda: T.Normalize("rgb", STD), TypeError, "sequence of numbers"),  # type: ignore[arg-type]
+            (lambda: T.Normalize(torch.tensor(MEAN), STD), TypeError, "sequence of numbers"),  # type: ignore[arg-type]
+            (lambda: T.Normalize(MEAN, (0.2, "x", 0.2)), TypeError, r"std\[1\]"),  # type: ignore[arg-type]
             (lambda: T.Normalize(MEAN, STD[:2]), ValueError, "3 means and 2 stds"),
             (lambda: T.Normalize(MEAN, (0.2, math.inf, 0.2)), ValueError, "finite"),
             (lambda: T.Normalize((math.nan,) * 3, STD), ValueError, "finite"),
@@ -450,10 +452,10 @@ def test_to_dtype_and_compose_arguments_are_checked() -> None:
     """ToDtype: a dtype and a bool; Compose: a list of callables."""
     _assert_refused(
         [
-            (lambda: T.ToDtype("float16"), TypeError, "must be a torch.dtype"),
-            (lambda: T.ToDtype(torch.float16, scale="yes"), TypeError, r"scale=\.\.\.\) must be"),
-            (lambda: T.Compose(T.ChannelsLast()), TypeError, "takes a list of transforms"),
-            (lambda: T.Compose([T.ChannelsLast(), "flip"]), TypeError, r"transforms\[1\]"),
+            (lambda: T.ToDtype("float16"), TypeError, "must be a torch.dtype"),  # type: ignore[arg-type]
+            (lambda: T.ToDtype(torch.float16, scale="yes"), TypeError, r"scale=\.\.\.\) must be"),  # type: ignore[arg-type]
+            (lambda: T.Compose(T.ChannelsLast()), TypeError, "takes a list of transforms"),  # type: ignore[arg-type]
+            (lambda: T.Compose([T.ChannelsLast(), "flip"]), TypeError, r"transforms\[1\]"),  # type: ignore[list-item]
         ]
     )
 
@@ -462,10 +464,10 @@ def test_on_is_checked() -> None:
     """on= is a dict key or a tuple index: not a list, not a bool (True would be index 1)."""
     _assert_refused(
         [
-            (lambda: T.Normalize(MEAN, STD, on=["image"]), TypeError, r"on=\.\.\.\) names the"),
+            (lambda: T.Normalize(MEAN, STD, on=["image"]), TypeError, r"on=\.\.\.\) names the"),  # type: ignore[arg-type]
             (lambda: T.ToDtype(torch.float16, on=True), TypeError, "got True, a bool"),
-            (lambda: T.Compose([T.ChannelsLast()], on={}), TypeError, r"Compose\(on=\.\.\.\)"),
-            (lambda: T.RandomHorizontalFlip(on=[0]), TypeError, r"pass e\.g\. on='image' or on=0"),
+            (lambda: T.Compose([T.ChannelsLast()], on={}), TypeError, r"Compose\(on=\.\.\.\)"),  # type: ignore[arg-type]
+            (lambda: T.RandomHorizontalFlip(on=[0]), TypeError, r"pass e\.g\. on='image' or on=0"),  # type: ignore[arg-type]
         ]
     )
     assert T.Compose([], on=None).on is None
@@ -546,7 +548,7 @@ def test_normalize_coefficients_are_kept_per_stream() -> None:
             x = images().cuda()
             normalize = T.Normalize(MEAN, STD)
             outs = []
-            for stream in (torch.cuda.Stream(), torch.cuda.Stream()):
+            for stream in (torch.cuda.Stream(), torch.cuda.Stream()):  # type: ignore[no-untyped-call]
                 stream.wait_stream(torch.cuda.current_stream())  # x was written there
                 with torch.cuda.stream(stream):
                     outs.append(normalize(x))
@@ -565,7 +567,7 @@ def test_normalize_cache_is_bounded() -> None:
     with simulated_cuda() as sim:
         x = images().cuda()
         normalize = T.Normalize(MEAN, STD)
-        streams = [torch.cuda.Stream() for _ in range(3 * T.Normalize._CACHED)]
+        streams = [torch.cuda.Stream() for _ in range(3 * T.Normalize._CACHED)]  # type: ignore[no-untyped-call]
         for stream in streams + streams[:2]:  # the first two again, after their eviction
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

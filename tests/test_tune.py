@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import sqlite_loader
+from helpers import as_dataset, sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
@@ -188,7 +188,7 @@ def test_tune_refuses_the_meta_device_before_building_a_loader() -> None:
 
     def make_loader(num_workers: int = 0) -> DataLoader[Any]:
         built.append(num_workers)
-        return DataLoader(range(64), batch_size=4, num_workers=num_workers)
+        return DataLoader(as_dataset(range(64)), batch_size=4, num_workers=num_workers)
 
     with pytest.raises(ValueError, match="device='meta' holds no data"):
         nostall.tune(make_loader, device="meta")

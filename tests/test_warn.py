@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import refused_thread_starts, wait_for_no_nostall_threads, wait_until
+from helpers import as_dataset, refused_thread_starts, wait_for_no_nostall_threads, wait_until
 from simcuda import simulated_cuda
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
@@ -97,6 +97,7 @@ class Hidden:
     """Its ``.to()`` returns an object that keeps the tensor in a closure, out of sight."""
 
     def __init__(self, x: torch.Tensor, hide: bool = False) -> None:
+        self.get: Callable[[], torch.Tensor]
         if hide:
             self.get = lambda: x
         else:
@@ -147,8 +148,8 @@ def open_per_worker(worker_id: int) -> None:
     """A worker_init_fn (threads= does not call it)."""
 
 
-def numbers(n: int = 8) -> DataLoader[torch.Tensor]:
-    return DataLoader(list(range(n)), batch_size=2)
+def numbers(n: int = 8) -> DataLoader[int]:
+    return DataLoader(as_dataset(list(range(n))), batch_size=2)
 
 
 def stateful_loader(dataset: Any, **kwargs: Any) -> Any:
@@ -173,11 +174,12 @@ def local_rank_guess(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def workers_restarted(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    entry(DataLoader(list(range(4)), num_workers=1), "cpu", across_epochs=True).close()  # <- warns
+    loader = DataLoader(as_dataset(list(range(4))), num_workers=1)
+    entry(loader, "cpu", across_epochs=True).close()  # <- warns
 
 
 def unreadable_set_epoch(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    loader = DataLoader(list(range(4)), sampler=HiddenEpoch())
+    loader = DataLoader(as_dataset(list(range(4))), sampler=HiddenEpoch())
     entry(loader, "cpu", across_epochs=True).close()  # <- warns
 
 
@@ -213,7 +215,7 @@ def iterable_dataset_without_state(entry: Entry, monkeypatch: pytest.MonkeyPatch
 
 
 def worker_init_fn_not_called(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    loader = DataLoader(list(range(4)), batch_size=2, worker_init_fn=open_per_worker)
+    loader = DataLoader(as_dataset(list(range(4))), batch_size=2, worker_init_fn=open_per_worker)
     entry(loader, "cpu", threads=2).close()  # <- warns
 
 
@@ -301,8 +303,10 @@ def set_epoch_drops_a_loaded_state(entry: Entry, monkeypatch: pytest.MonkeyPatch
 
 def sampler_set_epoch_drops_a_loaded_state(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
     def loader() -> DataLoader[int]:
-        data = list(range(8))
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)  # type: ignore[arg-type]
+        data = as_dataset(list(range(8)))
+        sampler: DistributedSampler[int] = DistributedSampler(
+            data, num_replicas=1, rank=0, shuffle=False
+        )
         return DataLoader(data, batch_size=2, sampler=sampler)
 
     state = state_for_epoch_1(entry, loader())
@@ -343,7 +347,9 @@ ROWS = {
 }
 
 
-def raised(run: Callable[[], None], category: type[Warning], match: str) -> warnings.WarningMessage:
+def raised(
+    run: Callable[[], object], category: type[Warning], match: str
+) -> warnings.WarningMessage:
     """Run ``run``; return the one warning of ``category`` matching ``match`` it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -367,7 +373,7 @@ def test_each_warning_names_the_users_line(
 
 def test_a_warning_in_a_loading_thread_names_nostalls_line() -> None:
     """No user frame in a thread nostall started: the line in nostall that raised it."""
-    loader = DataLoader(list(range(24)), batch_size=4)
+    loader = DataLoader(as_dataset(list(range(24))), batch_size=4)
     p = nostall.prefetch(loader, "cpu", threads=2, timeout=30)  # a timeout: loaded in threads
     with refused_thread_starts("nostall-load-1"):
         seen = raised(lambda: list(p), RuntimeWarning, "could not start loading thread")

@@ -20,6 +20,7 @@ from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDi
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
 
+
 class Kind(enum.Enum):
     """What a message on a channel carries."""
 

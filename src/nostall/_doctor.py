@@ -12,7 +12,6 @@ import inspect
 import json
 import os
 import stat
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from . import _arguments
 from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
 from ._specs import checked_factory
-from ._timing import synchronize
+from ._timing import Measured, synchronize
 from ._transfer import to_device
 from ._tree import batch_size_of
 from ._tune import Factory, Setting, Step, Transform, TuneResult, loader_kwargs, measure, tune
@@ -35,34 +34,9 @@ DEFAULT = Setting(None, None)
 CLEAR_RATIO = 1.25
 
 
-@dataclass(frozen=True)
-class Rate:
-    """Samples/s of one way of running the loop, over repeated runs (never empty)."""
-
-    runs: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    @property
-    def low(self) -> float:
-        return min(self.runs)
-
-    @property
-    def high(self) -> float:
-        return max(self.runs)
-
-    def __str__(self) -> str:
-        if len(self.runs) == 1:
-            return f"{self.median:,.0f} samples/s (one run)"
-        return (
-            f"{self.median:,.0f} samples/s ({self.low:,.0f}-{self.high:,.0f} over "
-            f"{len(self.runs)} runs)"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"median": self.median, "low": self.low, "high": self.high, "runs": self.runs}
+def _per_s(rate: Measured) -> str:
+    """A rate as the doctor writes it: "1,100 samples/s (1,000-1,200 over 3 runs)"."""
+    return rate.describe(",.0f", "samples/s")
 
 
 @dataclass
@@ -73,12 +47,12 @@ class Diagnosis:
     of the loop as built (the spreads do not overlap); then it is the ratio of the medians, > 1.
     """
 
-    load: Rate
+    load: Measured
     step_rate: float | None
-    as_built: Rate
+    as_built: Measured
     search: TuneResult
-    with_nostall: tuple[Setting, Rate]
-    without_nostall: tuple[Setting, Rate]
+    with_nostall: tuple[Setting, Measured]
+    without_nostall: tuple[Setting, Measured]
     device: str
     code: str = ""  # the change to make, as code (empty when nothing is measurably faster)
     #: The factory's own num_workers (its default), when it has one: the loop as built uses it.
@@ -96,7 +70,7 @@ class Diagnosis:
         return "balanced"
 
     @property
-    def best(self) -> tuple[Setting, Rate]:
+    def best(self) -> tuple[Setting, Measured]:
         """The fastest setting found (by median), with or without nostall."""
         return max(self.with_nostall, self.without_nostall, key=lambda pair: pair[1].median)
 
@@ -110,15 +84,16 @@ class Diagnosis:
 
     def summary(self) -> str:
         """The diagnosis in plain words, ending with the code change when there is one."""
-        setting, rate = self.best
+        setting, best = self.best
+        rate = _per_s(best)
         step = (
             f", step {self.step_rate:,.0f} samples/s"
             if self.step_rate is not None
             else " (pass --step to compare with your training step)"
         )
         lines = [
-            f"{self.bound}: loading {self.load}{step}.",
-            f"as built, the loop runs at {self.as_built}.",
+            f"{self.bound}: loading {_per_s(self.load)}{step}.",
+            f"as built, the loop runs at {_per_s(self.as_built)}.",
         ]
         speedup = self.speedup
         if speedup is None:
@@ -228,7 +203,7 @@ class Diagnosis:
             (self.with_nostall[0].describe(), self.with_nostall[1]),
             (self.without_nostall[0].describe(), self.without_nostall[1]),
         ]
-        measured += [(f"search: {s.describe()}", Rate((r,))) for s, r in self.search.curve]
+        measured += [(f"search: {s.describe()}", Measured((r,))) for s, r in self.search.curve]
         top = max(rate.high for _, rate in measured) or 1.0
         bar_h, width, left = 22, 460, 360
         bars = []
@@ -249,9 +224,9 @@ class Diagnosis:
             for k, v in (
                 ("device", self.device),
                 ("verdict", self.bound),
-                ("load only", self.load),
+                ("load only", _per_s(self.load)),
                 ("step only", "n/a" if self.step_rate is None else f"{self.step_rate:,.0f}"),
-                ("loop as built", self.as_built),
+                ("loop as built", _per_s(self.as_built)),
                 ("speed-up", "none measurable" if self.speedup is None else f"{self.speedup:.2f}x"),
             )
         )
@@ -324,7 +299,7 @@ def diagnose(
         if progress is not None:
             progress(phase, min(done / total, 1.0))
 
-    def rate_of(setting: Setting, phase: str, with_step: bool = True) -> Rate:
+    def rate_of(setting: Setting, phase: str, with_step: bool = True) -> Measured:
         nonlocal done
         runs = []
         for i in range(repeats):
@@ -341,7 +316,7 @@ def diagnose(
             if used < 3:
                 raise ConfigurationError(_too_few(factory, used))
             runs.append(rate)
-        return Rate(tuple(runs))
+        return Measured(tuple(runs))
 
     load = rate_of(DEFAULT, "load only: the loader as the factory builds it", with_step=False)
     step_rate = None

@@ -5,6 +5,10 @@ measures how long it took to *queue* them. :class:`Timer` and :func:`timeit` tim
 CUDA events recorded on the current stream, read after the end event completes. On other
 accelerators (MPS, XPU, ...) they synchronise the device before and after the timed work and
 use the wall clock; on the CPU, the wall clock alone.
+
+:class:`Measured` is what every repeated measurement in nostall is reported as (the median and
+the range of its runs): :func:`timeit`'s seconds, ``nostall doctor``'s samples/s, the bench's
+figures.
 """
 
 from __future__ import annotations
@@ -84,26 +88,105 @@ class Timer:
 
 
 @dataclass(frozen=True)
-class Timing:
-    """Repeated timings of one callable, in seconds."""
+class Measured:
+    """One figure measured over repeated runs, in any unit: the median and the range.
 
-    times: tuple[float, ...]
+    The one value type for a measured figure with its spread: :func:`timeit`'s seconds,
+    ``nostall doctor``'s samples/s, the bench's speed-ups and microseconds. The unit is the
+    caller's; :meth:`describe` names it.
+
+    Invariant: ``runs`` is never empty and holds every run's value in the order they ran, so
+    ``low <= median <= high`` and ``n == len(runs)``; a figure that was not measured is None,
+    never an empty ``Measured``.
+    """
+
+    runs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runs, tuple):
+            raise TypeError(
+                f"Measured(runs=...) takes a tuple of floats (got {type(self.runs).__name__}): "
+                f"pass tuple(values)"
+            )
+        if not self.runs:
+            raise ValueError("Measured(runs=...) needs at least one run (got ()): measure first")
 
     @property
     def median(self) -> float:
         """The median run."""
-        return float(statistics.median(self.times))
+        return float(statistics.median(self.runs))
+
+    @property
+    def low(self) -> float:
+        """The least run."""
+        return float(min(self.runs))
+
+    @property
+    def high(self) -> float:
+        """The greatest run."""
+        return float(max(self.runs))
+
+    @property
+    def n(self) -> int:
+        """How many runs."""
+        return len(self.runs)
+
+    @property
+    def times(self) -> tuple[float, ...]:
+        """The runs, under the name ``nostall.cuda.Timing`` gave them (seconds, from timeit)."""
+        return self.runs
 
     @property
     def spread(self) -> float:
-        """Max minus min, over the median: how noisy the runs were."""
-        return (max(self.times) - min(self.times)) / self.median if self.median > 0 else 0.0
+        """High minus low, over the median: how noisy the runs were (0 when the median is 0)."""
+        return (self.high - self.low) / self.median if self.median > 0 else 0.0
+
+    @property
+    def exceeds_one(self) -> bool:
+        """A ratio measurably above 1: even its least run is (``below_one``: the reverse)."""
+        return self.low > 1.0
+
+    @property
+    def below_one(self) -> bool:
+        """A ratio measurably below 1: even its greatest run is."""
+        return self.high < 1.0
+
+    def describe(self, spec: str, unit: str) -> str:
+        """``describe(",.0f", "samples/s")``: "1,100 samples/s (1,000-1,200 over 3 runs)".
+
+        One run reads "1,000 samples/s (one run)": a single value has no range to show.
+        """
+        if self.n == 1:
+            return f"{self.median:{spec}} {unit} (one run)"
+        low, high = f"{self.low:{spec}}", f"{self.high:{spec}}"
+        return f"{self.median:{spec}} {unit} ({low}-{high} over {self.n} runs)"
 
     def __str__(self) -> str:
-        return (
-            f"median {self.median * 1e3:.3f} ms over {len(self.times)} runs "
-            f"(min {min(self.times) * 1e3:.3f}, max {max(self.times) * 1e3:.3f})"
-        )
+        # No unit and no scale known here, so each figure is named: a "1e-06-2e-06" range of
+        # seconds would not read as one.
+        runs = "1 run" if self.n == 1 else f"{self.n} runs"
+        return f"median {self.median:.4g} over {runs} (min {self.low:.4g}, max {self.high:.4g})"
+
+    def __format__(self, spec: str) -> str:
+        """``f"{figure:.2f}"`` gives "1.23 (1.20-1.31)": the median, then the range (a cell)."""
+        if not spec:
+            return str(self)
+        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The median, range, count and every run, for JSON."""
+        return {
+            "median": self.median,
+            "low": self.low,
+            "high": self.high,
+            "n": self.n,
+            "runs": list(self.runs),
+        }
+
+
+#: ``nostall.cuda.Timing``: another name for :class:`Measured`, public before the figures
+#: shared one type; code that names it, or reads ``.times``, keeps working.
+Timing = Measured
 
 
 def timeit(
@@ -113,7 +196,7 @@ def timeit(
     warmup: int = 2,
     device: DeviceLike = None,
     flush_l2: bool = True,
-) -> Timing:
+) -> Measured:
     """Time ``fn()`` ``repeat`` times after ``warmup`` untimed calls; right under asynchrony.
 
     On CUDA each run is timed with events on the current stream, so queued kernels count in
@@ -145,7 +228,7 @@ def timeit(
         with Timer(dev) as timer:
             fn()
         timers.append(timer)
-    return Timing(tuple(t.seconds for t in timers))
+    return Measured(tuple(t.seconds for t in timers))
 
 
 def _l2_flusher(device: torch.device) -> Callable[[], Any] | None:

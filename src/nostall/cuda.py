@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from ._devices import DeviceInfo, MemoryReport, devices, memory_report, release_cached_memory
 from ._streams import run_concurrently
-from ._timing import Timer, Timing, timeit
+from ._timing import Measured, Timer, Timing, timeit
 from ._transfer import pin_memory, to_device
 
 __all__ = [
     "DeviceInfo",
+    "Measured",
     "MemoryReport",
     "Timer",
     "Timing",

@@ -47,7 +47,9 @@ def make_loader(sampler: str = "shuffle") -> DataLoader[Any]:
     features = torch.randn(SAMPLES, 3, generator=generator)
     dataset = TensorDataset(torch.arange(SAMPLES), features, features.sum(1, keepdim=True))
     if sampler == "distributed":
-        shard = DistributedSampler(dataset, num_replicas=1, rank=0, seed=SEED)
+        shard: DistributedSampler[int] = DistributedSampler(
+            dataset, num_replicas=1, rank=0, seed=SEED
+        )
         return DataLoader(dataset, batch_size=BATCH, sampler=shard)
     assert "shuffle" == sampler, sampler
     return DataLoader(dataset, batch_size=BATCH, shuffle=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import threading
 import warnings
 from pathlib import Path
@@ -56,7 +57,9 @@ def make_loader(workers: int = 0, sampler: str = "shuffle") -> DataLoader[Any]:
     data = dataset()
     kwargs: dict[str, Any] = {"num_workers": workers, "persistent_workers": workers > 0}
     if sampler == "distributed":
-        shard = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        shard: DistributedSampler[int] = DistributedSampler(
+            data, num_replicas=1, rank=0, shuffle=True, seed=SEED
+        )
         return DataLoader(data, batch_size=BATCH, sampler=shard, **kwargs)
     if sampler == "generator":
         kwargs["generator"] = torch.Generator().manual_seed(SEED)
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", metavar="MODE:ACROSS:WORKERS")
     parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args(argv)
-    children = []
+    children: list[subprocess.Popen[bytes]] = []  # the ranks rank 0 started
     for spec in args.runs:
         mode, across, workers = spec.split(":")
         if mode not in MODES or across not in ("0", "1"):

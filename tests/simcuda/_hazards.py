@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass
+from types import FrameType
 
 
 class Kind(enum.Enum):
@@ -53,22 +54,22 @@ _SKIPPED = ("/torch/", "/simcuda/", "/threading.py", "/contextlib.py", "/functoo
 
 def caller() -> str:
     """``file:line`` of the innermost frame outside torch and this simulation (cheap)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in _SKIPPED):
             short = name.rsplit("/src/", 1)[-1].rsplit("/tests/", 1)[-1]
             return f"{short}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "?"
 
 
 def created_by_nostall() -> bool:
     """Whether the innermost frame outside torch and this simulation is nostall's own code."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in _SKIPPED):
             return str(frame.f_globals.get("__name__", "")).startswith("nostall")
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return False

@@ -40,6 +40,17 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+
+def weak_ref(storage: Any) -> StorageWeakRef:
+    """A weak reference to ``storage`` that does not keep it alive (unannotated in torch)."""
+    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
+def expired(ref: StorageWeakRef) -> bool:
+    """Whether the storage ``ref`` refers to was freed."""
+    return bool(ref.expired())  # type: ignore[no-untyped-call]
+
+
 #: Every size is rounded up to a multiple of this (PyTorch's ``kMinBlockSize``).
 MIN_BLOCK = 512
 #: Requests up to this size come from the small pool (``kSmallSize``).
@@ -164,7 +175,7 @@ class Allocator:
     def block_of(self, tensor: torch.Tensor) -> Block | None:
         """The block holding ``tensor``'s (CPU stand-in) storage, if it is device memory."""
         entry = self.live.get(tensor.untyped_storage()._cdata)
-        return None if entry is None or entry[0].expired() else entry[1]
+        return None if entry is None or expired(entry[0]) else entry[1]
 
     def allocate(
         self, storage: Any, device: int, stream: int, known: dict[int, dict[int, int]], host: Any
@@ -187,7 +198,7 @@ class Allocator:
         self._split(block, size, pool)
         block.allocated = True
         block.tenancy = Tenancy(next(self._tenants), block.offset, block.offset + block.size)
-        self.live[storage._cdata] = (StorageWeakRef(storage), block)
+        self.live[storage._cdata] = (weak_ref(storage), block)
         self.peak[device] = max(self.peak.get(device, 0), self.allocated(device))
         return block
 
@@ -205,7 +216,7 @@ class Allocator:
     def sweep(self, known: dict[int, dict[int, int]], host: dict[int, int]) -> None:
         """Free blocks whose storage died; release waiting blocks the host has seen pass."""
         for key, (ref, block) in list(self.live.items()):
-            if ref.expired():
+            if expired(ref):
                 del self.live[key]
                 block.allocated = False
                 if block.recorded:
@@ -275,7 +286,7 @@ class Allocator:
 
     def allocated(self, device: int) -> int:
         """Bytes held by live tensors on ``device`` (their blocks' sizes)."""
-        return sum(b.size for r, b in self.live.values() if b.device == device and not r.expired())
+        return sum(b.size for r, b in self.live.values() if b.device == device and not expired(r))
 
     def reserved(self, device: int) -> int:
         """Bytes of the segments the allocator holds on ``device``."""

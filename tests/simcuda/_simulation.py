@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -140,8 +141,13 @@ class SimStream:
         self._context.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._context.__exit__(*exc)
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._context.__exit__(kind, error, traceback)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SimStream) and other.id == self.id

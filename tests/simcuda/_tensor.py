@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _simulation
 from ._hazards import Kind
+from ._memory import weak_ref
 from ._simulation import SimStream, active
 
 #: Ops that allocate without writing.
@@ -54,7 +55,7 @@ class SimTensor(torch.Tensor):
             requires_grad=False,
         )
         out.data_cpu = data
-        return out  # type: ignore[no-any-return]
+        return out
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"SimTensor({self.data_cpu!r}, device='{self.device}')"
@@ -81,8 +82,12 @@ class SimTensor(torch.Tensor):
             return _copy_into(args[0], args[1], bool(kwargs.get("non_blocking", False)))
         return run_on_device(func, name, args, kwargs)
 
+    # torch annotates Tensor's as a plain function; a subclass overrides it as a classmethod,
+    # as torch's own subclasses do.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise RuntimeError(f"simulated CUDA: {func} reached dispatch with a wrapper (a bug here)")
 
 
@@ -130,11 +135,11 @@ def wrap(out: Any, index: int, wrappers: dict[int, SimTensor] | None = None) -> 
     return tree_map(one, out)
 
 
-class Kernels(TorchDispatchMode):
+class Kernels(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
     """Sees each ATen op of a device function and books it as a kernel (see module docstring)."""
 
     def __init__(self, device: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.device = device
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -150,8 +155,11 @@ class Kernels(TorchDispatchMode):
         named = list(zip((a.name for a in schema.arguments), args, strict=False))
         named += list(kwargs.items())
         source = args[1] if op == "copy_" else None
-        from_host = isinstance(source, torch.Tensor) and source.dim() > 0
-        if from_host and memory.block_of(source) is None:  # ``device_tensor[...] = host_tensor``
+        if (  # ``device_tensor[...] = host_tensor``
+            isinstance(source, torch.Tensor)
+            and source.dim() > 0
+            and memory.block_of(source) is None
+        ):
             upload_into(args[0], source, bool(kwargs.get("non_blocking", False)), stream)
             return args[0]
         with sim.lock:
@@ -287,6 +295,7 @@ class HostResult(torch.Tensor):
     """
 
     copied_by: tuple[int, int]
+    reported: bool  # set once its read before a sync was reported
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -349,8 +358,12 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torc
             return dst.copy_(download(src, None, non_blocking, into=True))  # type: ignore[arg-type]
     if isinstance(src, SimTensor) and src.device != dst.device:
         moved = peer_copy(src, dst.device.index, None)
-        return run_on_device(torch.Tensor.copy_, "copy_", (dst, moved), {})
-    return run_on_device(torch.Tensor.copy_, "copy_", (dst, src), {"non_blocking": non_blocking})
+        into: torch.Tensor = run_on_device(torch.Tensor.copy_, "copy_", (dst, moved), {})
+        return into
+    out: torch.Tensor = run_on_device(
+        torch.Tensor.copy_, "copy_", (dst, src), {"non_blocking": non_blocking}
+    )
+    return out
 
 
 # --- pinned host memory ---------------------------------------------------------------------
@@ -373,11 +386,9 @@ def pin(t: torch.Tensor) -> torch.Tensor:
 
 def mark_pinned(t: torch.Tensor) -> torch.Tensor:
     """Book ``t``'s (fresh) storage as pinned memory; return ``t``."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     sim = active()
     with torch._C.DisableTorchFunctionSubclass():
         storage = t.untyped_storage()
     with sim.lock:
-        sim.pinned[storage._cdata] = StorageWeakRef(storage)
+        sim.pinned[storage._cdata] = weak_ref(storage)
     return t

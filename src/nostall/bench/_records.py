@@ -1,18 +1,19 @@
 """What a bench run records (one tidy row per measured value) and the one aggregation over it.
 
-Every figure shown is a :class:`Stat` (median, min-max) of the records sharing a key.
+Every figure shown is a :class:`~nostall._timing.Measured` (median, min-max) of the records
+sharing a key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._timing import Measured
 from ._config import BenchConfig
 
 
@@ -32,42 +33,18 @@ class Record:
     repeat: int = 0
 
 
-@dataclass(frozen=True)
-class Stat:
-    """The median of some measurements, with their least and greatest values."""
-
-    median: float
-    low: float
-    high: float
-    n: int
-
-    def __format__(self, spec: str) -> str:
-        """``f"{stat:.2f}"`` gives "1.23 (1.20-1.31)": the median, then the spread."""
-        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
-
-    @property
-    def exceeds_one(self) -> bool:
-        """A ratio measurably above 1: even its least value is (``below_one``: the reverse)."""
-        return self.low > 1.0
-
-    @property
-    def below_one(self) -> bool:
-        """A ratio measurably below 1."""
-        return self.high < 1.0
-
-
 Key = tuple[str, str, str, str]  # trial, setting, contender, metric
 
 
-def summarize(records: list[Record]) -> dict[Key, Stat]:
-    """The one aggregation: a :class:`Stat` per trial, setting, contender and metric.
+def summarize(records: list[Record]) -> dict[Key, Measured]:
+    """The one aggregation: a figure per trial, setting, contender and metric (its runs).
 
     Keys keep the order in which their first record arrived (the order of the run).
     """
     groups: dict[Key, list[float]] = defaultdict(list)
     for r in records:
         groups[(r.trial, r.setting, r.contender, r.metric)].append(r.value)
-    return {k: Stat(statistics.median(v), min(v), max(v), len(v)) for k, v in groups.items()}
+    return {k: Measured(tuple(v)) for k, v in groups.items()}
 
 
 @dataclass
@@ -82,7 +59,7 @@ class BenchResult:
     #: torch.utils.benchmark measurements of the micro-benchmarks, for ``Compare``.
     measurements: list[Any] = field(default_factory=list)
 
-    def stat(self, trial: str, setting: str, contender: str, metric: str) -> Stat | None:
+    def stat(self, trial: str, setting: str, contender: str, metric: str) -> Measured | None:
         """The aggregated figure, or None when nothing was measured for it."""
         return summarize(self.records).get((trial, setting, contender, metric))
 

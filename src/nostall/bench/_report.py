@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils import benchmark
 
-from ._records import BenchResult, Stat
+from .._timing import Measured
+from ._records import BenchResult
 
 NOSTALL, SERIAL = "nostall", "serial DataLoader"
 
@@ -69,11 +70,11 @@ def format_report(result: BenchResult, width: int = 150) -> str:
     return out.getvalue()
 
 
-def _cell(stat: Stat | None, spec: str) -> str:
+def _cell(stat: Measured | None, spec: str) -> str:
     return "-" if stat is None else format(stat, spec)
 
 
-def _speed(stat: Stat) -> str:
+def _speed(stat: Measured) -> str:
     words = f"{stat.median:.2f}x the serial loader's speed ({stat.low:.2f}-{stat.high:.2f})"
     if stat.below_one:
         return f"{words}: a cost of {1 - stat.median:.0%}"
@@ -122,7 +123,7 @@ def conclusion(result: BenchResult) -> list[str]:
     return out
 
 
-def _handoffs(result: BenchResult) -> dict[str, Stat]:
+def _handoffs(result: BenchResult) -> dict[str, Measured]:
     """Each prefetcher's hand-off cost per batch (the serial baseline left out)."""
     stats = {n: result.stat("handoff", "", n, "us_per_batch") for n in result.contenders("handoff")}
     return {n: s for n, s in stats.items() if s is not None and n != SERIAL}
