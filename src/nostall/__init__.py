@@ -51,7 +51,6 @@ from ._exceptions import (
     ProducerDiedError,
     ProfilingDisabledError,
 )
-from ._iteration import PrefetchIterator
 from ._prefetcher import Prefetcher, prefetch
 from ._profile import Profiled, StallReport, profile
 from ._thread_safety import ThreadSafety
@@ -62,7 +61,6 @@ __version__ = "0.1.0"
 __all__ = [
     "DeviceUnavailableError",
     "NostallError",
-    "PrefetchIterator",
     "PrefetchTimeoutError",
     "Prefetcher",
     "PrefetcherClosedError",
