@@ -7,10 +7,9 @@ from helpers import as_dataset
 from torch.utils.data import DataLoader
 
 from nostall._channel import Channel
-from nostall._epochs import EpochSource
+from nostall._epochs import AS_BUILT, EpochSource
 from nostall._lineage import Lineage
 from nostall._producer import Puller
-from nostall._resume import AS_BUILT
 from nostall._staging import Staging
 
 

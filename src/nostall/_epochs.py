@@ -13,6 +13,7 @@ dropping them.
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,16 @@ from ._torch_compat import copy_loader, live_iterator
 #: Epochs before the latest one opened whose records (``EpochSource.captures``) are kept: the
 #: producer may open several short epochs ahead of a state saved in the first of them.
 KEPT_EPOCHS = 16
+
+
+class _Start(enum.Enum):
+    AS_BUILT = "as built"
+
+
+#: ``Position.source_state`` before any batch of the epoch was handed out since the source was
+#: built, its epoch set, or a state loaded: the source is read when the state is saved (see
+#: :mod:`nostall._resume`).
+AS_BUILT = _Start.AS_BUILT
 
 
 def set_epoch_targets(source: object) -> list[object]:
@@ -352,6 +363,38 @@ class EpochSource:
     def after_pull(self, end: bool) -> Any:
         """What the consumer must replay when this pull is handed out (accelerate), or None."""
         return None if self.mirror is None else self.mirror.after_pull(end)
+
+    def hand_out(self, hook: Any, end: bool) -> None:
+        """The consumer hands out a pull (a batch, or the end): replay its ``after_pull`` hook.
+
+        Over accelerate's prepared loader, its shard then shows what it would at this point of
+        a plain loop (see ``ShardMirror``); over any other source, nothing.
+        """
+        if self.mirror is not None:
+            self.mirror.hand_out(hook, end=end)
+
+    def let_go_of_loading(self) -> None:
+        """Under ``threads=``: the loading threads stuck in a sample are counted no more.
+
+        New samples start new threads (see ``Pool.abandon``).
+        """
+        if self.pool is not None:
+            self.pool.abandon()
+
+    def before_open(self) -> None:
+        """The consumer is about to open an epoch (accelerate: the shadow takes the shard's)."""
+        if self.mirror is not None:
+            self.mirror.sync_epoch()
+
+    def complete_state(self, epoch: int) -> Any:
+        """The state after ``epoch``, counted complete at ``len()`` batches, its end not asked.
+
+        A stateful source states itself (as built); over accelerate, the shard's epoch is left
+        as a ``break`` leaves it.
+        """
+        if self.mirror is not None:
+            self.mirror.abandon()  # accelerate's own iterator would not have ended either
+        return AS_BUILT if self.stateful else self.end_state(epoch)
 
     def open(
         self, epoch: int, forward: bool | None = None, outside: bool = False

@@ -38,7 +38,6 @@ from ._exceptions import (
 from ._exit import track
 from ._lineage import Lineage, check_not_forked
 from ._producer import Puller, produce
-from ._resume import AS_BUILT
 from ._source_checks import describe, warn_if_hidden_from_framework
 from ._staging import CudaStaging
 from ._warn import warn
@@ -205,7 +204,6 @@ class PrefetchIterator(Iterator[T]):
         if self._threads is not None and puller.threads_set.is_set():
             torch.set_num_threads(self._threads)
             self._threads = None
-        mirror = lineage.epochs.mirror
         if kind is BATCH or kind is ERROR:
             self._index += 1
             if kind is ERROR:
@@ -224,12 +222,10 @@ class PrefetchIterator(Iterator[T]):
                     raise
                 # (A KeyboardInterrupt leaves the position before this batch: never seen.)
                 lineage.at.advance(epoch, self._index, state, self._staging.transform_state())
-                if mirror is not None:
-                    mirror.hand_out(hook, end=False)
+                lineage.epochs.hand_out(hook, end=False)
                 return batch  # type: ignore[no-any-return]
             lineage.at.advance(epoch, self._index, state, payload.transform_state)
-            if mirror is not None:
-                mirror.hand_out(hook, end=False)
+            lineage.epochs.hand_out(hook, end=False)
             if self._check_consumer is None:
                 return payload.batch  # type: ignore[no-any-return]  # off CUDA: nothing to wait for
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
@@ -239,8 +235,7 @@ class PrefetchIterator(Iterator[T]):
         self._puller = None
         self._state = Lifecycle.DONE
         if kind is END:
-            if mirror is not None:
-                mirror.hand_out(hook, end=True)
+            lineage.epochs.hand_out(hook, end=True)
             lineage.at = lineage.at.after(epoch + 1, 0, state)
             epochs = lineage.epochs
             # set_epoch for the next epoch here, in the consumer's thread (unless the producer
@@ -248,8 +243,7 @@ class PrefetchIterator(Iterator[T]):
             follow = epochs.across_epochs and not puller.finished
             puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
             lineage.marks = epochs.marks()
-            if lineage.one_shot:
-                lineage.exhausted = True
+            lineage.source_ended()
             if lineage.epochs.across_epochs and not puller.finished:
                 lineage.ahead = puller  # it is already fetching the next epoch
                 if not lineage.owner_alive:
@@ -274,10 +268,7 @@ class PrefetchIterator(Iterator[T]):
         epochs = lineage.epochs
         self._stop("the epoch was complete (len(source) batches) when a new iter() began")
         self._state = Lifecycle.DONE
-        after = AS_BUILT if epochs.stateful else epochs.end_state(puller.epoch)
-        lineage.at = lineage.at.after(puller.epoch + 1, 0, after)
-        if epochs.mirror is not None:
-            epochs.mirror.abandon()  # accelerate's own iterator would not have ended either
+        lineage.at = lineage.at.after(puller.epoch + 1, 0, epochs.complete_state(puller.epoch))
 
     @property
     def running(self) -> bool:
@@ -336,9 +327,9 @@ class PrefetchIterator(Iterator[T]):
         self._state = Lifecycle.RUNNING
         self._puller = puller
         self._pull_here = puller.pull_here
-        if lineage.one_shot and lineage.carry_over(channel):
+        if lineage.carry_over(channel):
             return puller
-        if lineage.one_shot and lineage.exhausted:
+        if lineage.exhausted:
             warn(
                 f"nostall: the source {describe(self._source)} is a one-shot iterator that is "
                 f"exhausted, so this epoch is empty; pass a re-iterable source (a DataLoader, a "
@@ -347,8 +338,7 @@ class PrefetchIterator(Iterator[T]):
             )
             channel.put_ready((END, 0, lineage.epoch, None, None))
             return puller
-        if epochs.mirror is not None:
-            epochs.mirror.sync_epoch()
+        epochs.before_open()
         try:
             puller.open(lineage.epoch, forward=forward, outside=outside)
         except BaseException as e:
@@ -357,7 +347,7 @@ class PrefetchIterator(Iterator[T]):
             raise
         self._index = puller.pulled  # a resumed epoch starts after the batches already seen
         lineage.marks = epochs.marks()  # as this open left them (it may have set the epoch)
-        lineage.carried = puller if lineage.one_shot else None
+        lineage.carry(puller)
         self._launch(puller)
         return puller
 

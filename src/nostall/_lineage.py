@@ -179,8 +179,7 @@ class Lineage:
         if previous is None or name != previous.name or not previous.is_alive():
             return False
         _exit.interrupt(previous)
-        if self.epochs.pool is not None:
-            self.epochs.pool.abandon()
+        self.epochs.let_go_of_loading()
         return True
 
     def handed_out_error(self) -> None:
@@ -197,6 +196,18 @@ class Lineage:
             and inspect.getgeneratorstate(source) == inspect.GEN_CLOSED
         ):
             self.exhausted = True
+
+    def source_ended(self) -> None:
+        """The source's end was handed out: a one-shot source is exhausted."""
+        if self.one_shot:
+            self.exhausted = True
+
+    def carry(self, puller: Puller) -> None:
+        """A new pass starts with ``puller``; a one-shot source's is carried over.
+
+        What it fetched and nobody took goes to the next pass (see :meth:`carry_over`).
+        """
+        self.carried = puller if self.one_shot else None
 
     def carry_over(self, channel: Channel) -> bool:
         """Move batches a stopped pass of a one-shot source fetched and nobody took to ``channel``.

@@ -206,7 +206,7 @@ class Puller:
         finally:
             if self.batches is not None and epoch not in self.marks:
                 self._mark_drawn(epoch)  # the order is drawn by now
-        hook = None if epochs.mirror is None else epochs.after_pull(False)
+        hook = epochs.after_pull(False)
         self.phase = f"moving batch {index} to {self.staging.device}"
         self.pulled += 1
         try:

@@ -23,27 +23,17 @@ The dictionary, version :data:`STATE_VERSION`::
 from __future__ import annotations
 
 import dataclasses
-import enum
 import sys
 from typing import Any
 
 import torch
 
 from ._arguments import kind, received
-from ._epochs import EpochSource, describe_order
+from ._epochs import AS_BUILT, EpochSource, describe_order
 from ._fabric import check_count
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1
-
-
-class _Start(enum.Enum):
-    AS_BUILT = "as built"
-
-
-#: ``Position.source_state`` before any batch of the epoch was handed out since the source was
-#: built, its epoch set, or a state loaded: the source is read when the state is saved.
-AS_BUILT = _Start.AS_BUILT
 
 
 @dataclasses.dataclass(slots=True)
