@@ -272,6 +272,9 @@ class EpochSource:
         #: Over Fabric's loader: its count of iter() calls, which sets the sampler's epoch.
         self.count = IterCount(source) if is_fabric_loader(source) else None
         self.resume: dict[str, Any] | None = None
+        #: The sampler's epoch marks (:meth:`marks`) as nostall last left or saw them; marks
+        #: that differ at the next epoch's start were set by someone else.
+        self.left_marks = self.marks()
         self.captures: dict[int, dict[str, Any]] = {}
         self.opening = threading.Lock()
         #: (epoch, state, left): the epoch after a resumed one draws its order from torch's
@@ -343,6 +346,18 @@ class EpochSource:
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
         return epoch_marks(self.source)
+
+    def note_marks(self) -> None:
+        """nostall set (or saw) the sampler's epoch: its marks now are not someone else's."""
+        self.left_marks = self.marks()
+
+    def marks_moved(self) -> bool:
+        """Whether someone else set the sampler's epoch since :meth:`note_marks` (noted now)."""
+        now = self.marks()
+        if now == self.left_marks:
+            return False
+        self.left_marks = now
+        return True
 
     def independent_epochs(self) -> bool:
         """Whether an epoch's iterator shares nothing of the previous one's but the dataset.

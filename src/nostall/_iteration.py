@@ -242,7 +242,7 @@ class PrefetchIterator(Iterator[T]):
             # already opened it ahead): a set_epoch the user makes after this comes after ours.
             follow = epochs.across_epochs and not puller.finished
             puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
-            lineage.marks = epochs.marks()
+            epochs.note_marks()
             lineage.source_ended()
             if lineage.epochs.across_epochs and not puller.finished:
                 lineage.ahead = puller  # it is already fetching the next epoch
@@ -346,7 +346,7 @@ class PrefetchIterator(Iterator[T]):
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
         self._index = puller.pulled  # a resumed epoch starts after the batches already seen
-        lineage.marks = epochs.marks()  # as this open left them (it may have set the epoch)
+        epochs.note_marks()  # as this open left them (it may have set the epoch)
         lineage.carry(puller)
         self._launch(puller)
         return puller
@@ -397,10 +397,8 @@ class PrefetchIterator(Iterator[T]):
         """
         lineage = self._lineage
         epochs = lineage.epochs
-        now = epochs.marks()
-        if now == lineage.marks:
+        if not epochs.marks_moved():
             return False
-        lineage.marks = now
         outside = readable_epoch(self._source)
         if outside is not None and outside != lineage.epoch:
             lineage.move_to_epoch(outside, f"the sampler was set to epoch {outside}")

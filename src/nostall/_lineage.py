@@ -68,9 +68,6 @@ class Lineage:
         #: A transform state loaded, to set when the next producer starts (not before: the
         #: previous producer may still be transforming a batch).
         self.pending_transform_state: Any = None
-        #: The sampler's epoch marks (``EpochSource.marks``) as nostall last left or saw them;
-        #: marks that differ at the next epoch's start were set by someone else.
-        self.marks = epochs.marks()
         #: ``_producer.fork_generation`` when this was built: producers do not survive fork().
         self.fork_generation = _producer.fork_generation
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
@@ -120,7 +117,7 @@ class Lineage:
         """
         with ahead.pull_lock:  # not while the producer is inside the source
             current = self.epochs.marks()
-            if current != self.marks:
+            if current != self.epochs.left_marks:
                 return False
             drawn = ahead.marks.get(self.epoch)
             return drawn is None or drawn == current

@@ -280,7 +280,7 @@ class Prefetcher(Generic[T]):
         epochs = lineage.epochs
         epochs.source = sharded
         _forward_set_epoch(sharded, lineage.epoch)
-        lineage.marks = epochs.marks()  # set by nostall: not an outside set_epoch
+        epochs.note_marks()  # set by nostall: not an outside set_epoch
         lineage.at = lineage.at.moved_to(lineage.epoch, keep_source_state=False, keep_loaded=False)
 
     @property
@@ -392,7 +392,7 @@ class Prefetcher(Generic[T]):
         lineage.move_to_epoch(epoch, f"set_epoch({epoch})")
         self._resolve_shard()
         _forward_set_epoch(self._source, epoch)
-        lineage.marks = lineage.epochs.marks()
+        lineage.epochs.note_marks()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the user is: the epoch and the batches of it already handed out.
@@ -423,7 +423,7 @@ class Prefetcher(Generic[T]):
         lineage.discard_ahead()
         lineage.at = at
         lineage.epochs.load(state)  # checked by loaded_position
-        lineage.marks = lineage.epochs.marks()  # as the state left them: not set by someone else
+        lineage.epochs.note_marks()  # as the state left them: not set by someone else
         if state.get("transform") is not None and self._staging.transform is not None:
             lineage.pending_transform_state = at.transform_state
 
