@@ -230,3 +230,23 @@ def test_drain_frees_the_slots_of_what_it_takes() -> None:
     assert [0, 1] == [int(m[1]) for m in channel.drain()]
     assert channel.acquire(never)
     assert channel.acquire(never)
+
+
+def test_slots_count_what_is_free_and_wake_a_waiter() -> None:
+    """Slots: taken and given back, read without a private field, a waiter woken."""
+    from nostall._channel import Slots
+
+    slots = Slots(2)
+    assert slots.acquire()
+    assert slots.acquire()
+    assert 0 == slots.value
+    assert not slots.acquire(blocking=False)
+    assert not slots.acquire(timeout=0.01)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire(timeout=60)))
+    waiter.start()
+    slots.release()
+    waiter.join(60)
+    assert [True] == got
+    slots.release(2)
+    assert 2 == slots.value

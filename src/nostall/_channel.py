@@ -49,6 +49,37 @@ Message = tuple[Kind, Any, int, Any, Any]
 PullHere = Callable[[], "Message | None"]
 
 
+class Slots:
+    """A counting semaphore whose count may be read (``threading.Semaphore`` keeps it private).
+
+    ``value`` changes only under the condition's lock; reading it without the lock gives a
+    value it had (the producer, the only one that takes slots, reads it: it can only grow).
+    """
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self._changed = threading.Condition(threading.Lock())
+
+    def _free(self) -> bool:
+        return self.value > 0
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Take one; False if none came free (at once, or within ``timeout`` s)."""
+        with self._changed:
+            if self.value == 0 and (
+                not blocking or not self._changed.wait_for(self._free, timeout)
+            ):
+                return False
+            self.value -= 1
+            return True
+
+    def release(self, n: int = 1) -> None:
+        """Give back ``n``, waking as many waiters."""
+        with self._changed:
+            self.value += n
+            self._changed.notify(n)
+
+
 class Channel:
     """A bounded queue of messages from one producer thread to one consumer.
 
@@ -81,7 +112,7 @@ class Channel:
         self.describe = describe  # the source, for messages
         #: What the producer is doing now, for error messages.
         self.phase = phase
-        self.slots = threading.Semaphore(depth)
+        self.slots = Slots(depth)
         self.items: queue.SimpleQueue[Message] = queue.SimpleQueue()
         #: Whether nothing is queued now (the queue's own method: asked for every batch).
         self.empty: Callable[[], bool] = self.items.empty
@@ -110,11 +141,8 @@ class Channel:
         self.slots.release()
 
     def free_slots(self) -> int:
-        """Slots free now (read without taking one: only the producer takes, so it may grow).
-
-        CPython's and PyPy's ``threading.Semaphore`` keep their count in ``_value``.
-        """
-        return int(self.slots._value)
+        """Slots free now (read without taking one: only the producer takes, so it may grow)."""
+        return self.slots.value
 
     def put(self, message: Message) -> None:
         """Send a message that owns a slot taken with :meth:`acquire`."""
