@@ -26,6 +26,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       |   _resume         where the consumer is (one Position value), the state_dict from it
       |   _lineage        what one pass hands the next: the position, the producer ahead
       |   _profile        the waits, recorded when profile=True (and nostall.profile)
+      |   _settings       the arguments after the source: one frozen value, checked once
       v
     _iteration    next() empties it: the consumer's stream waits, the batch is handed out
       v

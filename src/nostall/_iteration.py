@@ -20,7 +20,7 @@ import enum
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -44,6 +44,7 @@ from ._warn import warn
 
 if TYPE_CHECKING:
     from ._profile import StallRecorder
+    from ._settings import Settings
     from ._staging import Staging
 
 T = TypeVar("T")
@@ -57,11 +58,9 @@ class Owner(Protocol[T]):
     _source: Iterable[T]
     _staging: Staging
     _lineage: Lineage
-    _shard: bool | None
     _recorder: StallRecorder | None
-    depth: int | Literal["auto"]
+    _settings: Settings
     device: torch.device
-    _timeout: float | None
 
 
 class Lifecycle(enum.Enum):
@@ -95,13 +94,14 @@ class PrefetchIterator(Iterator[T]):
         self._check_consumer = (
             self._staging.check_consumer if isinstance(self._staging, CudaStaging) else None
         )
-        self._depth = owner.depth
+        settings = owner._settings
+        self._depth = settings.depth
         self._device = owner.device
-        self._timeout = owner._timeout
+        self._timeout = settings.timeout
         self._lineage = owner._lineage
-        self._shard = owner._shard
+        self._shard = settings.shard
         self._recorder = owner._recorder
-        self._last_depth = 1 if owner.depth == "auto" else int(owner.depth)
+        self._last_depth = 1 if settings.depth == "auto" else int(settings.depth)
         self._state = Lifecycle.CREATED
         self._stopped_why = ""
         self._puller: Puller | None = None

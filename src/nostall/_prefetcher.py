@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, Literal, TypeVar
@@ -22,7 +23,8 @@ from ._lineage import Lineage, check_not_forked
 from ._producer import join_quietly
 from ._profile import StallRecorder, StallReport
 from ._resume import loaded_position, state_of
-from ._sharding import check_shardable, sharded_copy
+from ._settings import Settings
+from ._sharding import sharded_copy
 from ._source_checks import (
     describe,
     refuse_unsupported,
@@ -31,7 +33,6 @@ from ._source_checks import (
 )
 from ._stacks import stuck_at
 from ._staging import Staging, staging_for
-from ._threads import check_threadable
 from ._warn import warn
 
 T = TypeVar("T")
@@ -106,8 +107,8 @@ def prefetch(
 #: rebuilds a loader from the prefetcher's attributes (accelerate's ``skip_first_batches``) must
 #: read the loader's values, so the prefetcher keeps its own as ``_timeout`` and ``_pin_memory``.
 _OWN_ATTRIBUTES = frozenset(
-    {"device", "depth", "across_epochs", "_timeout", "_pin_memory", "_settings"}
-    | {"_source", "_staging", "_lineage", "_recorder", "_closed", "_shard"}
+    {"device", "_settings", "_pin_memory", "_source", "_staging", "_lineage", "_recorder"}
+    | {"_closed"}
 )
 
 
@@ -119,12 +120,10 @@ def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> 
     one epoch and shares the source's sampler, so it never runs ahead into another epoch; it
     reports to the same profile. Its source is sharded already.
     """
-    skipping = Prefetcher(
-        skip(prefetcher.source),
-        **prefetcher._settings,
-        across_epochs=False,
-        shard=None if prefetcher._shard is None else False,
-    )
+    settings = prefetcher._settings
+    kept = {field.name: getattr(settings, field.name) for field in dataclasses.fields(settings)}
+    kept.update(across_epochs=False, shard=None if settings.shard is None else False)
+    skipping = Prefetcher(skip(prefetcher.source), **kept)
     skipping._recorder = prefetcher._recorder
     return skipping
 
@@ -184,42 +183,24 @@ class Prefetcher(Generic[T]):
         shard: bool | None = None,
         threads: int | None = None,
     ) -> None:
-        check.source(source)
-        check_threadable(source, threads)
-        check.depth(depth)
-        check.timeout(timeout)
-        check.flag("nostall.prefetch", "pin_memory", pin_memory, optional=True)
-        check.flag("nostall.prefetch", "across_epochs", across_epochs)
-        check.flag("nostall.prefetch", "profile", profile)
-        check.flag("nostall.prefetch", "shard", shard, optional=True)
-        if shard:
-            check_shardable(source)
-        if transform is not None and not callable(transform):
-            raise TypeError(
-                f"transform must be callable, e.g. nostall.transforms.Normalize(...) (got "
-                f"{transform!r} that is {check.kind(transform)})"
-            )
+        self._settings = Settings.checked(
+            source,
+            device=device,
+            depth=depth,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            across_epochs=across_epochs,
+            profile=profile,
+            transform=transform,
+            shard=shard,
+            threads=threads,
+        )
         self._source = source
         self.device = resolve_data_device(fabric_device(source) if device is None else device)
-        self.depth = depth
-        self._timeout = timeout
-        self.across_epochs = across_epochs
-        #: What a prefetcher over a rebuilt copy of the source is made with (see _accelerate).
-        self._settings: dict[str, Any] = {
-            "device": device,
-            "depth": depth,
-            "pin_memory": pin_memory,
-            "timeout": timeout,
-            "profile": profile,
-            "transform": transform,
-            "threads": threads,
-        }
-        # pinned memory only speeds up copies to a GPU
         self._pin_memory = (pin_memory is not False) if self.device.type == "cuda" else False
         self._staging: Staging = staging_for(self.device, self._pin_memory, transform)
         mirror = ShardMirror(source) if is_prepared_shard(source) else None
         refuse_unsupported(source, across_epochs, mirror)
-        self._shard = shard
         self._lineage = Lineage(
             isinstance(source, Iterator),
             EpochSource(
@@ -240,6 +221,16 @@ class Prefetcher(Generic[T]):
         if across_epochs:
             warn_about_epochs(source)
         route_skip_first_batches(Prefetcher, _skipping)
+
+    @property
+    def depth(self) -> int | Literal["auto"]:
+        """How many batches may be fetched ahead, as passed (see :attr:`current_depth`)."""
+        return self._settings.depth
+
+    @property
+    def across_epochs(self) -> bool:
+        """Whether the next epoch is fetched while one ends, as passed."""
+        return self._settings.across_epochs
 
     @property
     def source(self) -> Iterable[T]:
@@ -263,7 +254,8 @@ class Prefetcher(Generic[T]):
         ``set_epoch`` would have left it), and a state saved before the next epoch's first
         batch describes the copy.
         """
-        if not self.__dict__.get("_shard"):
+        settings = self.__dict__.get("_settings")
+        if settings is None or not settings.shard:
             return
         lineage = self._lineage
         active = lineage.active_iteration()
@@ -275,7 +267,7 @@ class Prefetcher(Generic[T]):
         lineage.discard_ahead()
         # The previous epoch's producer may still be inside the loader's __next__ (a stopped
         # pass): once it let go, nothing reads the source the copy replaces.
-        lineage.wait_for_previous_producer(self._timeout)
+        lineage.wait_for_previous_producer(self._settings.timeout)
         object.__setattr__(self, "_source", sharded)
         epochs = lineage.epochs
         epochs.source = sharded
