@@ -17,8 +17,9 @@ from helpers import (
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
-from nostall._epochs import EpochSource, skip_ahead
+from nostall._epochs import EpochSource
 from nostall._global_draws import unwatched
+from nostall._skip import skip_ahead
 from nostall._threads import Pool, ThreadedEpoch, sample_seed
 
 

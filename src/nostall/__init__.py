@@ -11,6 +11,8 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
     source (a DataLoader, a list, a generator)
       |   _fabric         Lightning Fabric's loader: the iter() count that sets its epoch
       |   _threads        threads=: the loader's samples fetched by loading threads, in order
+      |   _samplers       what the sampler says and does: set_epoch, its epoch, generators
+      |   _skip           skipping the batches of an epoch already handed out, on resume
       |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
       |   _transfer       the moves themselves: pin_memory, to_device, record_stream

@@ -23,11 +23,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ._accelerate import ShardMirror, is_prepared_shard
-from ._fabric import IterCount, fabric_inner_loader, fabric_over, is_fabric_loader
+from ._accelerate import ShardMirror
+from ._fabric import IterCount, fabric_inner_loader, is_fabric_loader
 from ._global_draws import DrawWatch
+from ._samplers import (
+    capture_rng,
+    epoch_marks,
+    forward_set_epoch,
+    generators_of,
+    sampler_epoch_of,
+)
+from ._skip import persistent, skip_ahead
 from ._threads import Pool, ThreadedEpoch
-from ._torch_compat import copy_loader, live_iterator
+from ._torch_compat import live_iterator
 
 #: Epochs before the latest one opened whose records (``EpochSource.captures``) are kept: the
 #: producer may open several short epochs ahead of a state saved in the first of them.
@@ -42,175 +50,6 @@ class _Start(enum.Enum):
 #: built, its epoch set, or a state loaded: the source is read when the state is saved (see
 #: :mod:`nostall._resume`).
 AS_BUILT = _Start.AS_BUILT
-
-
-def set_epoch_targets(source: object) -> list[object]:
-    """Where ``set_epoch`` may live, in the order it is looked for."""
-    batch_sampler = getattr(source, "batch_sampler", None)
-    return [
-        source,
-        getattr(source, "sampler", None),
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-        getattr(source, "dataset", None),
-    ]
-
-
-def forward_set_epoch(source: object, epoch: int) -> bool:
-    """Call ``set_epoch(epoch)`` on the first of :func:`set_epoch_targets` that has it."""
-    for target in set_epoch_targets(source):
-        method = getattr(target, "set_epoch", None)
-        if callable(method):
-            method(epoch)
-            return True
-    return False
-
-
-def _samplers(source: object) -> dict[str, object]:
-    batch_sampler = getattr(source, "batch_sampler", None)
-    found = {
-        "sampler": getattr(source, "sampler", None),
-        "batch_sampler": batch_sampler,
-        "batch_sampler.sampler": getattr(batch_sampler, "sampler", None),
-    }
-    return {k: v for k, v in found.items() if v is not None}
-
-
-def _generators(source: object) -> dict[str, torch.Generator]:
-    """Every ``torch.Generator`` an epoch's order may be drawn from, by where it was found."""
-    found: dict[str, torch.Generator] = {}
-    seen: set[int] = set()
-    candidates = {"loader": source, **_samplers(source)}
-    for name, owner in candidates.items():
-        generator = getattr(owner, "generator", None)
-        if isinstance(generator, torch.Generator) and id(generator) not in seen:
-            seen.add(id(generator))
-            found[name] = generator
-    return found
-
-
-def capture_rng(source: object) -> dict[str, torch.Tensor]:
-    """The states of the global CPU generator and of the source's own generators."""
-    states = {"torch": torch.get_rng_state()}
-    states.update({name: g.get_state() for name, g in _generators(source).items()})
-    return states
-
-
-def _sampler_epoch(source: object) -> int | None:
-    for sampler in _samplers(source).values():
-        epoch = getattr(sampler, "epoch", None)
-        if isinstance(epoch, int) and not isinstance(epoch, bool):
-            return epoch
-    return None
-
-
-def epoch_marks(source: object) -> tuple[tuple[str, int], ...]:
-    """The ``epoch`` attributes of the objects ``set_epoch`` may reach, where they have one.
-
-    Compared before and after, they show a ``set_epoch`` made directly on the sampler (as
-    Lightning does, through ``loader.sampler``) that nostall did not make.
-    """
-    names = ("source", "sampler", "batch_sampler", "batch_sampler.sampler", "dataset")
-    marks = []
-    for name, target in zip(names, set_epoch_targets(source), strict=True):
-        epoch = getattr(target, "epoch", None) if target is not None else None
-        if isinstance(epoch, int) and not isinstance(epoch, bool):
-            marks.append((name, epoch))
-    return tuple(marks)
-
-
-def readable_epoch(source: object) -> int | None:
-    """The epoch the source's sampler (or dataset) says it is in, when it says one."""
-    for _, epoch in epoch_marks(source):
-        return epoch
-    return None
-
-
-def has_unreadable_set_epoch(source: object) -> bool:
-    """True when ``set_epoch`` reaches an object that keeps no readable ``epoch`` attribute."""
-    targets = set_epoch_targets(source)
-    if is_prepared_shard(source):
-        targets = targets[1:]  # accelerate's shard only passes set_epoch on to these
-    return not epoch_marks(source) and any(callable(getattr(t, "set_epoch", None)) for t in targets)
-
-
-def describe_order(source: object) -> dict[str, Any]:
-    """What a saved state must match: the source's length and its samplers' types."""
-    try:
-        length: int | None = len(source)  # type: ignore[arg-type]
-    except TypeError:
-        length = None
-    return {
-        "length": length,
-        "samplers": {k: type(v).__qualname__ for k, v in _samplers(source).items()},
-    }
-
-
-class _SkipFirst:
-    """A sampler that drops the first ``count`` items of another, drawing exactly as it does."""
-
-    def __init__(self, sampler: Iterable[Any], count: int) -> None:
-        self.sampler, self.count = sampler, count
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.sampler), self.count, None)
-
-    def __len__(self) -> int:
-        return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
-
-
-def skip_ahead(
-    source: Iterable[Any],
-    count: int,
-    iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: iter(loader),
-) -> Iterator[Any]:
-    """An iterator over ``source`` positioned after its first ``count`` batches.
-
-    A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
-    so that the user's loader is untouched, and so does Fabric's loader over one (a copy of it
-    over such a copy: Fabric's own iteration, its count moved on as by an ``iter()``);
-    anything else is pulled and dropped. (A loader with persistent workers keeps one iterator,
-    and its draws, across epochs: a copy would make its next epoch draw differently, so it is
-    pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
-    :class:`~nostall._threads.ThreadedEpoch`).
-    """
-    clone = _skipping_copy(source, count)
-    if clone is not None:
-        return iterate(clone, count)
-    inner = fabric_inner_loader(source)
-    if inner is not None:
-        clone = _skipping_copy(inner, count)
-        if clone is not None:
-            return iterate(fabric_over(source, clone), count)
-    it = iterate(source, 0)
-    for _ in range(count):
-        try:
-            next(it)
-        except StopIteration:
-            break
-        except Exception:
-            continue  # a batch that raised was handed out as its error: skip it as well
-    return it
-
-
-def _skipping_copy(source: object, count: int) -> DataLoader[Any] | None:
-    """A copy of a map-style ``DataLoader`` whose sampler skips ``count`` batches, or None."""
-    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
-    # but iterate a loader of their own, which a copy's sampler would not reach.
-    if (
-        isinstance(source, DataLoader)
-        and issubclass(type(source), DataLoader)
-        and not isinstance(source.dataset, IterableDataset)
-        and not _persistent(source)
-    ):
-        if source.batch_sampler is not None:
-            return copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
-        return copy_loader(source, sampler=_SkipFirst(source.sampler, count))
-    return None
-
-
-def _persistent(source: object) -> bool:
-    return isinstance(source, DataLoader) and source.num_workers > 0 and source.persistent_workers
 
 
 class EpochSource:
@@ -371,7 +210,7 @@ class EpochSource:
         if self.pool is not None:
             return True
         source = self.source
-        if self.mirror is not None or not isinstance(source, DataLoader) or _persistent(source):
+        if self.mirror is not None or not isinstance(source, DataLoader) or persistent(source):
             return False
         return source.num_workers > 0 or not isinstance(source.dataset, IterableDataset)
 
@@ -461,7 +300,7 @@ class EpochSource:
         generator), so it is asked for again here; a framework that sets the next epoch on the
         sampler itself never asks, and gets the state as saved (``outside`` in :meth:`open`).
         """
-        before = _sampler_epoch(self.source)
+        before = sampler_epoch_of(self.source)
         if end_of["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, end_of["sampler_epoch"])
         for _ in self._replay(epoch, end_of, end_of["batches"])[0]:
@@ -485,7 +324,7 @@ class EpochSource:
         drew = False
         try:
             fresh = live_iterator(self.source) is None
-            if _persistent(self.source) and not replay["fresh_iterator"] and fresh:
+            if persistent(self.source) and not replay["fresh_iterator"] and fresh:
                 # A fresh persistent loader's first iter() also draws its workers' base seed,
                 # which the uninterrupted run drew in an earlier epoch: create it, then draw
                 # the order again from the restored state by resetting it with a second iter().
@@ -538,7 +377,7 @@ class EpochSource:
             sampler_epoch = drawn["sampler_epoch"]
             state["sampler_epoch"] = epoch + 1 if sampler_epoch == epoch else sampler_epoch
         if self.count is not None:
-            state.update(self.count.after(drawn, _sampler_epoch(self.source)))
+            state.update(self.count.after(drawn, sampler_epoch_of(self.source)))
         return state
 
     def next_draws_from(self, epoch: int) -> torch.Tensor:
@@ -616,7 +455,7 @@ class EpochSource:
     def _capture(self) -> dict[str, Any]:
         captured: dict[str, Any] = {
             "rng": capture_rng(self.source),
-            "sampler_epoch": _sampler_epoch(self.source),
+            "sampler_epoch": sampler_epoch_of(self.source),
             # A persistent loader's first iterator also draws its workers' base seed.
             "fresh_iterator": live_iterator(self.source) is None,
         }
@@ -625,7 +464,7 @@ class EpochSource:
         return captured
 
     def _restore(self, states: dict[str, torch.Tensor]) -> None:
-        generators = _generators(self.source)
+        generators = generators_of(self.source)
         for name, state in states.items():
             if name == "torch":
                 torch.set_rng_state(state)

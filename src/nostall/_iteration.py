@@ -27,7 +27,6 @@ import torch
 from . import _producer
 from ._autodepth import auto_depth_limit
 from ._channel import BATCH, END, ERROR, Channel, Message
-from ._epochs import readable_epoch
 from ._exceptions import (
     NostallError,
     PrefetcherClosedError,
@@ -38,6 +37,7 @@ from ._exceptions import (
 from ._exit import track
 from ._lineage import Lineage, check_not_forked
 from ._producer import Puller, produce
+from ._samplers import readable_epoch
 from ._source_checks import describe, warn_if_hidden_from_framework
 from ._staging import CudaStaging
 from ._warn import warn

@@ -15,7 +15,6 @@ from ._accelerate import (
 )
 from ._device import DeviceLike, resolve_data_device
 from ._epochs import EpochSource
-from ._epochs import forward_set_epoch as _forward_set_epoch
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._fabric import fabric_device
 from ._iteration import PrefetchIterator
@@ -23,6 +22,7 @@ from ._lineage import Lineage, check_not_forked
 from ._producer import join_quietly
 from ._profile import StallRecorder, StallReport
 from ._resume import loaded_position, state_of
+from ._samplers import forward_set_epoch as _forward_set_epoch
 from ._settings import Settings
 from ._sharding import sharded_copy
 from ._source_checks import (

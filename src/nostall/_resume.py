@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from ._arguments import kind, received
-from ._epochs import AS_BUILT, EpochSource, describe_order
+from ._epochs import AS_BUILT, EpochSource
 from ._fabric import check_count
+from ._samplers import describe_order
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1

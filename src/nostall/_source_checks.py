@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror, accelerate_is_active, is_dispatcher, prepared_loader_types
-from ._epochs import has_unreadable_set_epoch
+from ._samplers import has_unreadable_set_epoch
 from ._sharding import distributed_world, is_sharded, unsharded_warning
 from ._warn import warn
 from ._webdataset import shuffle_warning, unreplayable_shuffles

@@ -1,0 +1,80 @@
+"""Skipping the batches of an epoch already handed out, when a state is resumed."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from ._fabric import fabric_inner_loader, fabric_over
+from ._torch_compat import copy_loader
+
+
+class _SkipFirst:
+    """A sampler that drops the first ``count`` items of another, drawing exactly as it does."""
+
+    def __init__(self, sampler: Iterable[Any], count: int) -> None:
+        self.sampler, self.count = sampler, count
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.count, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
+
+
+def skip_ahead(
+    source: Iterable[Any],
+    count: int,
+    iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: iter(loader),
+) -> Iterator[Any]:
+    """An iterator over ``source`` positioned after its first ``count`` batches.
+
+    A map-style ``DataLoader`` skips through its sampler (nothing is loaded), on a shallow copy
+    so that the user's loader is untouched, and so does Fabric's loader over one (a copy of it
+    over such a copy: Fabric's own iteration, its count moved on as by an ``iter()``);
+    anything else is pulled and dropped. (A loader with persistent workers keeps one iterator,
+    and its draws, across epochs: a copy would make its next epoch draw differently, so it is
+    pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
+    :class:`~nostall._threads.ThreadedEpoch`).
+    """
+    clone = _skipping_copy(source, count)
+    if clone is not None:
+        return iterate(clone, count)
+    inner = fabric_inner_loader(source)
+    if inner is not None:
+        clone = _skipping_copy(inner, count)
+        if clone is not None:
+            return iterate(fabric_over(source, clone), count)
+    it = iterate(source, 0)
+    for _ in range(count):
+        try:
+            next(it)
+        except StopIteration:
+            break
+        except Exception:
+            continue  # a batch that raised was handed out as its error: skip it as well
+    return it
+
+
+def _skipping_copy(source: object, count: int) -> DataLoader[Any] | None:
+    """A copy of a map-style ``DataLoader`` whose sampler skips ``count`` batches, or None."""
+    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
+    # but iterate a loader of their own, which a copy's sampler would not reach.
+    if (
+        isinstance(source, DataLoader)
+        and issubclass(type(source), DataLoader)
+        and not isinstance(source.dataset, IterableDataset)
+        and not persistent(source)
+    ):
+        if source.batch_sampler is not None:
+            return copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
+        return copy_loader(source, sampler=_SkipFirst(source.sampler, count))
+    return None
+
+
+def persistent(source: object) -> bool:
+    """Whether ``source`` is a DataLoader keeping its workers (and iterator) across epochs."""
+    return isinstance(source, DataLoader) and source.num_workers > 0 and source.persistent_workers
