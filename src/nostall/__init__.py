@@ -32,7 +32,8 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
 
 Above the facade, the tools that run it: ``_tune`` (the search, with ``_thread_safety`` checked
-before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
+before threads are tried), ``_doctor`` (the measuring; ``_diagnosis`` says what the figures
+mean, ``_doctor_report`` writes them), ``_cli``, and ``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
 wrong value); ``_device`` resolves ``device=``; every warning goes through ``_warn``, which
