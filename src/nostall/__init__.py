@@ -10,6 +10,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
 
     source (a DataLoader, a list, a generator)
       |   _fabric         Lightning Fabric's loader: the iter() count that sets its epoch
+      |   _pool           the loading threads: tasks in order, started on demand, idle ones end
       |   _threads        threads=: the loader's samples fetched by loading threads, in order
       |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of

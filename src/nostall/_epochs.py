@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._accelerate import ShardMirror, is_prepared_shard
 from ._fabric import IterCount, fabric_inner_loader, fabric_over, is_fabric_loader
 from ._global_draws import DrawWatch
-from ._threads import Pool, ThreadedEpoch
+from ._pool import Pool
+from ._threads import ThreadedEpoch
 from ._torch_compat import copy_loader, live_iterator
 
 #: Epochs before the latest one opened whose records (``EpochSource.captures``) are kept: the
