@@ -50,7 +50,6 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
-import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import prepared_loader_types, unthreadable_shard
@@ -58,7 +57,13 @@ from ._exceptions import add_note
 from ._fabric import is_fabric_loader, threads_refusal
 from ._pool import Pool, SampleFuture
 from ._stacks import stuck_at
-from ._torch_compat import auto_collation, index_sampler, pinning_like
+from ._torch_compat import (
+    answer_worker_info_per_thread,
+    auto_collation,
+    index_sampler,
+    loading_thread_info,
+    pinning_like,
+)
 from ._transformers import is_trainer_seed_worker
 from ._warn import warn
 
@@ -70,9 +75,6 @@ POLL_S = 0.1
 #: share one GIL; past about the cores (more for I/O-bound samples) they only add switching.
 #: ``nostall.tune`` tries counts up to this.
 MAX_THREADS = 256
-
-_local = threading.local()
-_original_get_worker_info = torch.utils.data.get_worker_info
 
 
 _UNDER_TRAINER = "; under Hugging Face Trainer: TrainingArguments(dataloader_num_workers=0)"
@@ -199,23 +201,6 @@ def sample_seed(base_seed: int, batch: int, within: int) -> int:
     return mixed & (2**63 - 1)
 
 
-def _get_worker_info() -> Any:
-    """``get_worker_info()``: the sample's info in a loading thread, else torch's own answer."""
-    info = getattr(_local, "info", None)
-    return info if info is not None else _original_get_worker_info()
-
-
-def _install_worker_info() -> None:
-    """Make ``torch.utils.data.get_worker_info`` see the loading threads (once per process).
-
-    torch keeps one worker info per process; threads need one each. The function is replaced
-    by one that answers the thread's own info in a loading thread and torch's everywhere else;
-    ``torch.thread_safe_generator()`` looks it up there on every call.
-    """
-    if torch.utils.data.get_worker_info is not _get_worker_info:
-        torch.utils.data.get_worker_info = _get_worker_info
-
-
 class ThreadedEpoch(Iterator[Any]):
     """One epoch of ``loader``, its samples fetched by ``pool`` (see the module's invariants)."""
 
@@ -235,7 +220,7 @@ class ThreadedEpoch(Iterator[Any]):
         :mod:`nostall._global_draws`).
         """
         self.inline = inline
-        _install_worker_info()
+        answer_worker_info_per_thread()  # get_worker_info() per loading thread
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
         self.pin = pinning_like(loader)  # pin_memory=True: pinned as the loader's would be
@@ -346,25 +331,16 @@ class ThreadedEpoch(Iterator[Any]):
         def task(worker: int) -> Any:
             if dropped.is_set():
                 return None  # nobody will take it
-            info = torch.utils.data._utils.worker.WorkerInfo(
-                id=worker,
-                num_workers=size,
-                seed=seed,
-                dataset=dataset,
-                rng=SampleRng(seed),  # type: ignore[arg-type]  # duck-types torch._RNG
-                worker_method="thread",
-            )
-            _local.info = info
-            try:
-                return fetch(index)
-            except BaseException as e:
-                add_note(
-                    e,
-                    f"nostall: raised by dataset[{index!r}] in {threading.current_thread().name!r}",
-                )
-                raise
-            finally:
-                _local.info = None
+            rng = SampleRng(seed)
+            with loading_thread_info(
+                worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng
+            ):
+                try:
+                    return fetch(index)
+                except BaseException as e:
+                    thread = threading.current_thread().name
+                    add_note(e, f"nostall: raised by dataset[{index!r}] in {thread!r}")
+                    raise
 
         if self.inline():
             done: Future[Any] = SampleFuture(index)
