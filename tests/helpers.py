@@ -11,10 +11,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import torch
 import torch.utils.data
+
+if TYPE_CHECKING:
+    from nostall._diagnosis import Diagnosis
 
 #: The repository root: scripts and examples are named from it, and subprocesses run in it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,6 +290,21 @@ TINY_BENCH: dict[str, Any] = dict(
     min_run_time=0.01,
     device="cpu",
 )
+
+
+def assert_honest(diagnosis: Diagnosis) -> None:
+    """A speed-up only beyond the spread, always > 1, never infinite; else said plainly."""
+    text = diagnosis.summary()
+    assert "inf" not in text
+    speedup = diagnosis.speedup
+    if speedup is None:
+        assert "no setting is measurably faster" in text
+        assert "change your code" not in text
+    else:
+        assert diagnosis.best[1].low > diagnosis.as_built.high
+        assert speedup > 1
+        assert f"{speedup:.2f}x yours" in text
+        assert diagnosis.code in text
 
 
 def bench_result(values: dict[tuple[str, str, str, str], list[float]], load: float = 0.2) -> Any:

@@ -19,8 +19,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 import nostall
 from nostall._epochs import EpochSource
 from nostall._global_draws import unwatched
+from nostall._pool import Pool
 from nostall._skip import skip_ahead
-from nostall._threads import Pool, ThreadedEpoch, sample_seed
+from nostall._threads import ThreadedEpoch, sample_seed
 
 
 class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -554,16 +555,6 @@ def test_refused_loading_threads_fail_their_batch_with_the_os_error_then_load() 
     assert ["can't start new thread"] + [list(range(i, i + 4)) for i in range(4, 24, 4)] == got
     p.close()
     wait_for_no_nostall_threads()
-
-
-def test_pool_task_without_a_thread_gets_the_os_error() -> None:
-    """A task no thread can run fails with the OS's error; the next submit starts a thread."""
-    pool = Pool(2, "nostall-load-test")
-    with refused_thread_starts("nostall-load-test"):
-        failed = pool.submit(lambda worker: worker)
-    assert isinstance(failed.exception(timeout=30), RuntimeError)
-    assert 0 == pool.live
-    assert 7 == pool.submit(lambda worker: 7).result(timeout=30)
 
 
 def test_a_refused_loading_thread_leaves_the_running_ones_loading() -> None:

@@ -6,9 +6,12 @@ first, and the version pin says when they were last checked.
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +22,15 @@ from torch.utils.data._utils import signal_handling
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 import nostall
-from nostall._torch_compat import CHECKED_TORCH, copy_loader, dead_workers_behind, live_iterator
+from nostall._torch_compat import (
+    CHECKED_TORCH,
+    answer_worker_info_per_thread,
+    copy_loader,
+    dead_workers_behind,
+    empty_shared_uint8,
+    live_iterator,
+    loading_thread_info,
+)
 
 
 def test_the_installed_torch_is_one_these_internals_were_checked_on() -> None:
@@ -171,3 +182,189 @@ def test_a_worker_dead_behind_an_error_is_named_once(
     assert "raised by next(source) for batch 2" in note
     assert named == ("a DataLoader worker having died (pid " in note), note
     assert named == ("killed by SIGKILL" in note), note
+
+
+def test_a_loading_threads_worker_info_is_torchs_thread_worker_info() -> None:
+    """In the block, get_worker_info() here is torch's WorkerInfo for a thread; after it, None."""
+    answer_worker_info_per_thread()
+    dataset, rng = as_dataset([1, 2]), object()
+    with loading_thread_info(worker=1, workers=4, seed=7, dataset=dataset, rng=rng) as info:
+        seen = torch.utils.data.get_worker_info()
+    assert torch.utils.data.get_worker_info() is None
+    assert isinstance(seen, torch.utils.data._utils.worker.WorkerInfo)  # torch's own class
+    assert info is seen
+    fields = (seen.id, seen.num_workers, seen.seed, seen.dataset, seen.rng, seen.worker_method)
+    assert (1, 4, 7, dataset, rng, "thread") == fields
+
+
+def test_other_threads_get_torchs_own_worker_info() -> None:
+    """While one thread holds a loading thread's info, another thread still gets None."""
+    answer_worker_info_per_thread()
+    seen: list[object] = []
+    with loading_thread_info(worker=0, workers=1, seed=0, dataset=None, rng=None):
+        other = threading.Thread(target=lambda: seen.append(torch.utils.data.get_worker_info()))
+        other.start()
+        other.join(timeout=60)
+    assert [None] == seen
+
+
+def test_thread_safe_generator_reads_the_loading_threads_generator() -> None:
+    """torch.thread_safe_generator() looks get_worker_info up on each call: it finds ours."""
+
+    class Rng:
+        torch_generator = torch.Generator().manual_seed(3)
+
+    answer_worker_info_per_thread()
+    with loading_thread_info(worker=0, workers=1, seed=3, dataset=None, rng=Rng()):
+        assert Rng.torch_generator is torch.thread_safe_generator()
+    assert torch.thread_safe_generator() is None
+
+
+def test_an_empty_shared_tensor_is_in_shared_memory() -> None:
+    """The uint8 tensor of the shape asked for, its storage shared."""
+    out = empty_shared_uint8((2, 3, 4))
+    shared = out.is_shared()  # type: ignore[no-untyped-call]
+    assert (torch.uint8, (2, 3, 4), True) == (out.dtype, tuple(out.shape), shared)
+
+
+def test_an_empty_shared_tensor_without_new_shared_is_still_shared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch without UntypedStorage._new_shared: the same tensor, by share_memory_()."""
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None)
+    out = empty_shared_uint8((2, 3, 4))
+    shared = out.is_shared()  # type: ignore[no-untyped-call]
+    assert (torch.uint8, (2, 3, 4), True) == (out.dtype, tuple(out.shape), shared)
+
+
+#: Names nostall's modules import torch under are found per file; these say what was touched.
+_REPLACES = "replaces torch's {} process-wide"
+_PRIVATE = "uses torch's private {}"
+
+
+def _torch_names(tree: ast.Module) -> set[str]:
+    """The names a module binds to torch or to something imported from it."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    names.add(alias.asname or "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def _dotted(node: ast.expr, torch_names: set[str]) -> list[str] | None:
+    """``torch.a.b`` as ["torch", "a", "b"], when the chain starts at a torch name; else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in torch_names:
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _by_name(node: ast.AST, torch_names: set[str]) -> tuple[str, list[str], ast.expr] | None:
+    """``getattr(torch.a, "b")`` (hasattr, setattr) as ("getattr", ["torch", "a", "b"], torch.a)."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr", "setattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return None
+    chain = _dotted(node.args[0], torch_names)
+    return None if chain is None else (node.func.id, [*chain, node.args[1].value], node.args[0])
+
+
+def _private_torch_uses(path: Path) -> list[str]:
+    """Where ``path`` imports, reads or replaces what torch does not make public."""
+    tree = ast.parse(path.read_text(), str(path))
+    torch_names = _torch_names(tree)
+    # ``torch.a._b.c`` is one use, said once: by its outermost attribute, or by the getattr
+    # that looks a name up in it.
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    inner |= {id(hit[2]) for node in ast.walk(tree) if (hit := _by_name(node, torch_names))}
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+            names = [*node.module.split("."), *(alias.name for alias in node.names)]
+            if any(map(_is_private, names)):
+                found.append(f"{where} {_PRIVATE.format('.'.join(names))}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("torch") and any(map(_is_private, alias.name.split("."))):
+                    found.append(f"{where} {_PRIVATE.format(alias.name)}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            chain = None if id(node) in inner else _dotted(node, torch_names)
+            if chain is not None and any(map(_is_private, chain[1:])):
+                found.append(f"{where} {_PRIVATE.format('.'.join(chain))}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                chain = _dotted(target, torch_names)
+                if chain is not None and len(chain) > 1:
+                    found.append(f"{where} {_REPLACES.format('.'.join(chain))}")
+        elif (lookup := _by_name(node, torch_names)) is not None:
+            how, chain, _ = lookup
+            if how == "setattr":
+                found.append(f"{where} {_REPLACES.format('.'.join(chain))}")
+            elif any(map(_is_private, chain[1:])):
+                found.append(f"{where} {_PRIVATE.format('.'.join(chain))}")
+    return found
+
+
+def test_no_module_but_torch_compat_touches_torchs_private_api() -> None:
+    """Private torch names and torch functions replaced are all in _torch_compat, checked there.
+
+    Only what names torch itself is seen (``torch.x._y``, ``from torch._z import``, a
+    ``getattr`` on a torch object, an assignment to a torch attribute): a private attribute
+    of an object held in a variable (``loader._index_sampler``) is not.
+    """
+    package = Path(nostall.__file__).parent
+    found = [
+        use
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "_torch_compat.py"
+        for use in _private_torch_uses(path)
+    ]
+    assert [] == found
+
+
+def test_the_private_api_check_finds_each_way_of_touching_it(tmp_path: Path) -> None:
+    """A canary module with one use of each kind: the check names every one, and no more."""
+    canary = tmp_path / "canary.py"
+    canary.write_text(
+        "import torch\n"
+        "import torch.utils.data as data\n"
+        "from torch.utils.data import DataLoader\n"
+        "from torch.utils.data._utils import pin_memory\n"
+        "from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter\n"
+        "info = torch.utils.data._utils.worker.WorkerInfo\n"
+        "new_shared = getattr(torch.UntypedStorage, '_new_shared', None)\n"
+        "data.get_worker_info = lambda: None\n"
+        "setattr(torch.utils.data, 'get_worker_info', None)\n"
+        "sampler = DataLoader._index_sampler\n"
+        "public = torch.utils.data.get_worker_info, getattr(torch, 'cuda'), DataLoader.__iter__\n"
+        "loader = object()\n"
+        "loader._private = 1\n"
+    )
+    assert [
+        "canary.py:4 uses torch's private torch.utils.data._utils.pin_memory",
+        "canary.py:5 uses torch's private "
+        "torch.utils.data.dataloader._MultiProcessingDataLoaderIter",
+        "canary.py:6 uses torch's private torch.utils.data._utils.worker.WorkerInfo",
+        "canary.py:7 uses torch's private torch.UntypedStorage._new_shared",
+        "canary.py:8 replaces torch's data.get_worker_info process-wide",
+        "canary.py:9 replaces torch's torch.utils.data.get_worker_info process-wide",
+        "canary.py:10 uses torch's private DataLoader._index_sampler",
+    ] == sorted(_private_torch_uses(canary), key=lambda use: int(use.split()[0].split(":")[1]))

@@ -30,11 +30,11 @@ import nostall
 from nostall import (
     PrefetchTimeoutError,
     _device,
+    _pool,
     _prefetcher,
     _sharding,
     _source_checks,
     _staging,
-    _threads,
 )
 from nostall._global_draws import GlobalDrawsWarning, unwatched
 from nostall._warn import warn
@@ -377,7 +377,7 @@ def test_a_warning_in_a_loading_thread_names_nostalls_line() -> None:
     p = nostall.prefetch(loader, "cpu", threads=2, timeout=30)  # a timeout: loaded in threads
     with refused_thread_starts("nostall-load-1"):
         seen = raised(lambda: list(p), RuntimeWarning, "could not start loading thread")
-    assert _threads.__file__ == seen.filename
+    assert _pool.__file__ == seen.filename
     p.close()
     assert [] == wait_for_no_nostall_threads(timeout=10)
 

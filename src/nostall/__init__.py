@@ -10,6 +10,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
 
     source (a DataLoader, a list, a generator)
       |   _fabric         Lightning Fabric's loader: the iter() count that sets its epoch
+      |   _pool           the loading threads: tasks in order, started on demand, idle ones end
       |   _threads        threads=: the loader's samples fetched by loading threads, in order
       |   _samplers       what the sampler says and does: set_epoch, its epoch, generators
       |   _skip           skipping the batches of an epoch already handed out, on resume
@@ -35,7 +36,8 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
 
 Above the facade, the tools that run it: ``_tune`` (the search, with ``_thread_safety`` checked
-before threads are tried), ``_doctor`` and ``_cli``, and ``bench``.
+before threads are tried), ``_doctor`` (the measuring; ``_diagnosis`` says what the figures
+mean, ``_doctor_report`` writes them), ``_cli``, and ``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
 wrong value); ``_device`` resolves ``device=``; every warning goes through ``_warn``, which

@@ -183,7 +183,8 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ._doctor import check_output, diagnose, write_reports
+    from ._doctor import diagnose
+    from ._doctor_report import check_output, write_reports
     from ._specs import load_callable
 
     for path, flag in ((args.json, "--json"), (args.html, "--html")):
@@ -214,7 +215,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._doctor import check_output
+    from ._doctor_report import check_output
     from .bench import checks, format_report, run_bench, write_json, write_plot
     from .bench._config import from_flags
 

@@ -12,7 +12,6 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from ._arguments import kind
+from ._torch_compat import empty_shared_uint8
 
 _CHANNELS = (1, 3, 4)
 
@@ -119,13 +119,7 @@ def _empty(shape: tuple[int, ...]) -> torch.Tensor:
     """A uint8 tensor; in shared memory inside a DataLoader worker."""
     if get_worker_info() is None:
         return torch.empty(shape, dtype=torch.uint8)
-    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
-    if new_shared is None:  # kept for torch versions without it
-        out = torch.empty(shape, dtype=torch.uint8)
-        out.share_memory_()  # type: ignore[no-untyped-call]
-        return out
-    storage = new_shared(math.prod(shape))
-    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+    return empty_shared_uint8(shape)
 
 
 def _is_uint8(value: Any) -> bool:

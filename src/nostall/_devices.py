@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ._device import DeviceLike, resolve_device
+from ._torch_compat import has_cuda_context
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def _device(index: int, nvml: _Nvml | None) -> DeviceInfo:
     handle = None if nvml is None else nvml.handle(str(getattr(props, "uuid", "")))
     if nvml is not None and handle is not None:
         fields = nvml.fields(handle)
-    if fields.get("free_bytes") is None and _has_context(index):
+    if fields.get("free_bytes") is None and has_cuda_context(index):
         fields["free_bytes"] = int(torch.cuda.mem_get_info(index)[0])
     return DeviceInfo(
         index,
@@ -77,16 +78,6 @@ def _device(index: int, nvml: _Nvml | None) -> DeviceInfo:
         int(props.total_memory),
         **fields,
     )
-
-
-def _has_context(index: int) -> bool:
-    """Whether this process already has a CUDA context on device ``index``."""
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if probe is not None:
-        return bool(probe(index))
-    # Without the probe: only the current device of an initialised process is known to.
-    initialised = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    return bool(initialised and torch.cuda.current_device() == index)
 
 
 class _Nvml:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ._accelerate import ShardMirror
 from ._fabric import IterCount, fabric_inner_loader, is_fabric_loader
 from ._global_draws import DrawWatch
+from ._pool import Pool
 from ._samplers import (
     capture_rng,
     epoch_marks,
@@ -34,7 +35,7 @@ from ._samplers import (
     sampler_epoch_of,
 )
 from ._skip import persistent, skip_ahead
-from ._threads import Pool, ThreadedEpoch
+from ._threads import ThreadedEpoch
 from ._torch_compat import live_iterator
 
 #: Epochs before the latest one opened whose records (``EpochSource.captures``) are kept: the

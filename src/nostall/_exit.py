@@ -21,7 +21,7 @@ import weakref
 
 _tracked: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
-#: Set once the interpreter began to exit: threads take no new work (see ``_threads.Pool``).
+#: Set once the interpreter began to exit: threads take no new work (see ``_pool.Pool``).
 exiting = threading.Event()
 
 #: Seconds exit waits, after interrupting the threads still running, for them to end.

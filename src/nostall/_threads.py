@@ -32,15 +32,13 @@ Invariants:
     * A sample's error is raised, as the same exception object with a note naming the index
       and the thread, by the ``next()`` of its batch, after every batch before it; the epoch
       goes on with the next batch, as a ``DataLoader``'s does.
-    * Threads are started when work arrives and end after ``IDLE_S`` seconds without any, so
-      ``break``, ``close()`` or an epoch's end leaves no thread behind for long; the work of
-      an epoch that is dropped is skipped.
+    * The samples are fetched by a :class:`~nostall._pool.Pool`, whose threads start when
+      work arrives and end when idle; the work of an epoch that is dropped is skipped.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import random
 import threading
@@ -49,25 +47,25 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.utils.data
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import _exit
 from ._accelerate import prepared_loader_types, unthreadable_shard
 from ._exceptions import add_note
-from ._exit import track
 from ._fabric import is_fabric_loader, threads_refusal
-from ._stacks import short, stuck_at
-from ._torch_compat import auto_collation, index_sampler, pinning_like
+from ._pool import Pool, SampleFuture
+from ._stacks import stuck_at
+from ._torch_compat import (
+    answer_worker_info_per_thread,
+    auto_collation,
+    index_sampler,
+    loading_thread_info,
+    pinning_like,
+)
 from ._transformers import is_trainer_seed_worker
 from ._warn import warn
-
-#: Seconds a loading thread waits for work before it ends.
-IDLE_S = 0.2
 
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
 POLL_S = 0.1
@@ -77,9 +75,6 @@ POLL_S = 0.1
 #: share one GIL; past about the cores (more for I/O-bound samples) they only add switching.
 #: ``nostall.tune`` tries counts up to this.
 MAX_THREADS = 256
-
-_local = threading.local()
-_original_get_worker_info = torch.utils.data.get_worker_info
 
 
 _UNDER_TRAINER = "; under Hugging Face Trainer: TrainingArguments(dataloader_num_workers=0)"
@@ -206,147 +201,6 @@ def sample_seed(base_seed: int, batch: int, within: int) -> int:
     return mixed & (2**63 - 1)
 
 
-def _get_worker_info() -> Any:
-    """``get_worker_info()``: the sample's info in a loading thread, else torch's own answer."""
-    info = getattr(_local, "info", None)
-    return info if info is not None else _original_get_worker_info()
-
-
-def _install_worker_info() -> None:
-    """Make ``torch.utils.data.get_worker_info`` see the loading threads (once per process).
-
-    torch keeps one worker info per process; threads need one each. The function is replaced
-    by one that answers the thread's own info in a loading thread and torch's everywhere else;
-    ``torch.thread_safe_generator()`` looks it up there on every call.
-    """
-    if torch.utils.data.get_worker_info is not _get_worker_info:
-        torch.utils.data.get_worker_info = _get_worker_info
-
-
-class Pool:
-    """Threads running tasks in the order they were submitted; started on demand, idle ones end.
-
-    ``live`` counts the running threads; ``free_ids`` the worker ids (0 to size - 1) unused.
-    Both change only under ``lock``, as does the decision of an idle thread to end, so a task
-    submitted while a thread ends is always run. Every task runs inside ``context()`` (on
-    CUDA the prefetcher's device and source stream: GPU work in ``__getitem__`` lands there).
-    """
-
-    def __init__(
-        self,
-        size: int,
-        name: str,
-        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> None:
-        self.size, self.name, self.context = size, name, context
-        self.tasks: collections.deque[tuple[Future[Any], Callable[[int], Any]]] = (
-            collections.deque()
-        )
-        self.lock = threading.Lock()
-        self.work = threading.Condition(self.lock)
-        self.live = 0
-        self.free_ids = list(range(size))
-        self.warned = False  # about a thread the OS refused
-        #: The thread running each task now, and its worker id.
-        self.running: dict[Future[Any], tuple[threading.Thread, int]] = {}
-        #: Threads :meth:`abandon` stopped counting: each ends once its task returns.
-        self.abandoned: set[threading.Thread] = set()
-
-    def submit(self, task: Callable[[int], Any], future: Future[Any] | None = None) -> Future[Any]:
-        """Queue ``task(worker_id)``; return its future (``future``, or a new one)."""
-        future = Future() if future is None else future
-        with self.lock:
-            self.tasks.append((future, task))
-            if self.live < self.size:
-                worker = self.free_ids[0]
-                name = f"{self.name}-{worker}"
-                thread = threading.Thread(target=self._run, args=(worker,), name=name, daemon=True)
-                try:
-                    track(thread).start()  # interpreter exit waits for it
-                except RuntimeError as e:  # the OS refused a thread ("can't start new thread")
-                    self._not_started(future, name, e)
-                    return future
-                self.free_ids.pop(0)
-                self.live += 1  # under the lock: the thread cannot end before it is counted
-            else:
-                self.work.notify()
-        return future
-
-    def _not_started(self, future: Future[Any], name: str, error: RuntimeError) -> None:
-        """A thread could not be started (the caller holds ``lock``); nothing is counted.
-
-        With threads running, they take the task, and the pool loads with fewer threads (one
-        warning). With none, the task fails with the OS's error: its batch raises it, and the
-        next batch tries to start a thread again.
-        """
-        if self.live:
-            if not self.warned:
-                self.warned = True
-                warn(
-                    f"nostall: could not start loading thread {name!r} ({error}); loading with "
-                    f"the {self.live} running, out of threads={self.size}: lower threads= or "
-                    f"the process's other threads",
-                    RuntimeWarning,
-                )
-            return
-        self.tasks.pop()  # the task just queued: no thread will run it
-        add_note(error, f"nostall: raised starting loading thread {name!r}")
-        future.set_exception(error)
-
-    def _run(self, worker: int) -> None:
-        me = threading.current_thread()
-        while True:
-            with self.lock:
-                if me in self.abandoned:
-                    self.abandoned.discard(me)
-                    return  # abandoned while it ran a task: no longer counted, takes no more
-                if not self.tasks and not _exit.exiting.is_set():
-                    self.work.wait(IDLE_S)
-                if not self.tasks or _exit.exiting.is_set():  # at exit: no new work
-                    self.live -= 1
-                    self.free_ids.append(worker)
-                    self.free_ids.sort()
-                    return
-                future, task = self.tasks.popleft()
-                self.running[future] = (me, worker)
-            if future.set_running_or_notify_cancel():
-                try:
-                    with self.context():
-                        result = task(worker)
-                    future.set_result(result)
-                except BaseException as e:
-                    future.set_exception(e)
-            with self.lock:
-                self.running.pop(future, None)
-
-    def abandon(self, future: Future[Any] | None = None) -> list[threading.Thread]:
-        """Stop counting the thread running ``future`` (every running one if None).
-
-        For threads stuck in a sample: each is interrupted at its next Python step (see
-        ``_exit.interrupt``; a call stuck in C gets it when it returns), and ends there without
-        taking another task; its slot goes to a new thread. Returns the threads abandoned.
-        """
-        with self.lock:
-            futures = list(self.running) if future is None else [future]
-            stuck = [self.running.pop(f) for f in futures if f in self.running]
-            for thread, worker in stuck:
-                self.abandoned.add(thread)
-                self.live -= 1
-                self.free_ids.append(worker)
-            self.free_ids.sort()
-        for thread, _ in stuck:
-            _exit.interrupt(thread)
-        return [thread for thread, _ in stuck]
-
-
-class _Sample(Future[Any]):
-    """The future of one sample, which knows the sample it loads (for messages)."""
-
-    def __init__(self, index: Any) -> None:
-        super().__init__()
-        self.sample = f"dataset[{short(index)}]"
-
-
 class ThreadedEpoch(Iterator[Any]):
     """One epoch of ``loader``, its samples fetched by ``pool`` (see the module's invariants)."""
 
@@ -366,7 +220,7 @@ class ThreadedEpoch(Iterator[Any]):
         :mod:`nostall._global_draws`).
         """
         self.inline = inline
-        _install_worker_info()
+        answer_worker_info_per_thread()  # get_worker_info() per loading thread
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
         self.pin = pinning_like(loader)  # pin_memory=True: pinned as the loader's would be
@@ -477,31 +331,22 @@ class ThreadedEpoch(Iterator[Any]):
         def task(worker: int) -> Any:
             if dropped.is_set():
                 return None  # nobody will take it
-            info = torch.utils.data._utils.worker.WorkerInfo(
-                id=worker,
-                num_workers=size,
-                seed=seed,
-                dataset=dataset,
-                rng=SampleRng(seed),  # type: ignore[arg-type]  # duck-types torch._RNG
-                worker_method="thread",
-            )
-            _local.info = info
-            try:
-                return fetch(index)
-            except BaseException as e:
-                add_note(
-                    e,
-                    f"nostall: raised by dataset[{index!r}] in {threading.current_thread().name!r}",
-                )
-                raise
-            finally:
-                _local.info = None
+            rng = SampleRng(seed)
+            with loading_thread_info(
+                worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng
+            ):
+                try:
+                    return fetch(index)
+                except BaseException as e:
+                    thread = threading.current_thread().name
+                    add_note(e, f"nostall: raised by dataset[{index!r}] in {thread!r}")
+                    raise
 
         if self.inline():
-            done: Future[Any] = _Sample(index)
+            done: Future[Any] = SampleFuture(index)
             try:
                 done.set_result(task(0))
             except BaseException as e:
                 done.set_exception(e)
             return done
-        return self.pool.submit(task, _Sample(index))
+        return self.pool.submit(task, SampleFuture(index))

@@ -1,4 +1,4 @@
-"""The DataLoader internals nostall relies on, in one place, each with why.
+"""The torch internals nostall relies on (the DataLoader's above all), each with why.
 
 A DataLoader iterates its ``_index_sampler`` (the batch sampler, or the sampler without
 automatic batching, ``_auto_collation``); ``threads=`` iterates it the same way. A DataLoader
@@ -11,20 +11,31 @@ re-raise a bare ``EOFError`` or ``ConnectionResetError`` from the fd-sharing con
 it notices the death itself; :func:`dead_workers_behind` finds that iterator (``self`` in the
 traceback's frames) and reads its ``_workers``, so the error can say which worker died.
 ``threads=`` pins a batch as the loader's iterator would, with torch's private ``pin_memory``
-helper (:func:`pinning_like`).
+helper (:func:`pinning_like`); it gives each loading thread its own ``get_worker_info()``
+(:func:`answer_worker_info_per_thread`, :func:`loading_thread_info`), which means replacing
+torch's function process-wide and building torch's private ``WorkerInfo``. ``collate_uint8``
+builds a batch in shared memory in a DataLoader worker as ``default_collate`` does, with the
+private ``UntypedStorage._new_shared`` (:func:`empty_shared_uint8`).
+``nostall.cuda.devices()`` asks CUDA for a device's free memory only where this process
+already has a context, which torch's private ``_cuda_hasPrimaryContext`` tells
+(:func:`has_cuda_context`).
 All were checked against the torch versions in :data:`CHECKED_TORCH`;
 ``tests/test_torch_compat.py`` fails on any other version until they are checked again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+import torch.utils.data
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import pin_memory as pin_memory_utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -120,3 +131,90 @@ def _describe(worker: Any) -> str:
         except ValueError:
             pass
     return f"pid {worker.pid}, exit code {code}"
+
+
+#: torch's own ``get_worker_info``, which the replacement answers outside loading threads.
+_torch_get_worker_info = torch.utils.data.get_worker_info
+
+#: The ``WorkerInfo`` of the loading thread that reads it (see :func:`loading_thread_info`).
+_loading = threading.local()
+
+
+def _get_worker_info() -> Any:
+    """``get_worker_info()``: the sample's info in a loading thread, else torch's own answer."""
+    info = getattr(_loading, "info", None)
+    return info if info is not None else _torch_get_worker_info()
+
+
+def answer_worker_info_per_thread() -> None:
+    """Make ``torch.utils.data.get_worker_info`` see the loading threads (once per process).
+
+    torch keeps one worker info per process (a worker process sets it); loading threads need
+    one each. The function is replaced, process-wide, by one that answers the info set by
+    :func:`loading_thread_info` in a loading thread and torch's own answer everywhere else, so
+    other threads see no change. ``torch.thread_safe_generator()`` looks the function up in
+    ``torch.utils.data`` on every call, so it finds the replacement; code that bound torch's
+    function before (``from torch.utils.data import get_worker_info``) keeps torch's, which
+    answers None in a loading thread. Checked on :data:`CHECKED_TORCH`; a torch without
+    ``thread_safe_generator`` gives the sample's generators through ``get_worker_info()`` only.
+    Calling it again changes nothing.
+    """
+    if torch.utils.data.get_worker_info is not _get_worker_info:
+        torch.utils.data.get_worker_info = _get_worker_info
+
+
+@contextlib.contextmanager
+def loading_thread_info(
+    *, worker: int, workers: int, seed: int, dataset: Any, rng: Any
+) -> Iterator[Any]:
+    """Within it, ``get_worker_info()`` in this thread answers a loading thread's info.
+
+    The info is what torch's own thread workers build: its private
+    ``torch.utils.data._utils.worker.WorkerInfo`` with ``worker_method="thread"`` and the
+    sample's ``rng`` (``torch_generator``, ``random_generator``, ``numpy_generator``, which
+    ``torch.thread_safe_generator()`` reads); yielded too. Needs
+    :func:`answer_worker_info_per_thread` once. Checked on :data:`CHECKED_TORCH`, where
+    ``WorkerInfo`` takes these fields; a torch whose ``WorkerInfo`` is missing or takes other
+    fields raises here (AttributeError, TypeError), which every sample then raises as its
+    error, and ``tests/test_torch_compat.py`` fails on that torch until this is checked again.
+    """
+    info = torch.utils.data._utils.worker.WorkerInfo(
+        id=worker, num_workers=workers, seed=seed, dataset=dataset, rng=rng, worker_method="thread"
+    )
+    _loading.info = info
+    try:
+        yield info
+    finally:
+        _loading.info = None
+
+
+def empty_shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``shape`` in shared memory.
+
+    Allocated there at once, as ``default_collate`` allocates its batch in a DataLoader
+    worker: with the private ``torch.UntypedStorage._new_shared``, checked on
+    :data:`CHECKED_TORCH`. A torch without it gets the same tensor the public way, made in
+    ordinary memory then moved to shared memory (``share_memory_()``: one copy more).
+    """
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+        out.share_memory_()  # type: ignore[no-untyped-call]
+        return out
+    storage = new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+def has_cuda_context(index: int) -> bool:
+    """Whether this process already has a CUDA context on device ``index``, without making one.
+
+    Asked of torch's private ``torch._C._cuda_hasPrimaryContext`` where torch has it (a
+    CUDA build; the CPU-only build of 2.13 has none). Without it, only the current device of
+    a process that initialised CUDA is known to have one: another device answers False, so
+    that nothing creates a context (hundreds of MiB) on it to find out.
+    """
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is not None:
+        return bool(probe(index))
+    initialised = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return bool(initialised and torch.cuda.current_device() == index)

@@ -1,0 +1,119 @@
+"""The files ``nostall doctor`` writes: ``--json`` and ``--html``, their paths checked first.
+
+The figures and the verdict are the :class:`~nostall._diagnosis.Diagnosis`'s own; this module
+only lays them out. :func:`check_output` also serves ``nostall bench`` (``--json``, ``--plot``).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from ._diagnosis import Diagnosis, per_s
+from ._exceptions import ConfigurationError
+from ._timing import Measured
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """Refuse an output path that cannot be written, before minutes of measuring.
+
+    Writing is tried, not guessed from permission bits (root passes those everywhere, and
+    ``/dev/full`` opens fine and fails only when written to):
+
+    * an existing file is opened for appending, without truncating it, and sent a write of
+      zero bytes: that changes nothing in a file (nor its time stamps) but fails where a real
+      write fails on a device (``/dev/full``: no space) or a read-only filesystem;
+    * a new file is tried as a temporary file beside it, one byte written and synced (a full
+      or read-only filesystem fails there), then removed: nothing is left behind;
+    * a named pipe or socket is not opened: opening a pipe waits for its reader.
+
+    A disk with only a little room left can still fill up before the report is written.
+
+    Raises:
+        ConfigurationError: its folder does not exist, it is a folder, or writing it fails.
+    """
+    if not path:
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigurationError(f"{flag} {path} is a folder; pass a file path")
+    if not folder.is_dir():
+        raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist")
+    try:
+        if not target.exists():
+            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".nostall", dir=folder)
+            try:
+                os.write(fd, b"\0")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        elif not stat.S_ISFIFO(mode := target.stat().st_mode) and not stat.S_ISSOCK(mode):
+            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+            try:
+                os.write(fd, b"")
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ConfigurationError(
+            f"{flag} {path} cannot be written ({e.strerror or e}); pass a path on a writable "
+            f"filesystem with room to spare"
+        ) from e
+
+
+def write_reports(diagnosis: Diagnosis, json_path: str | None, html_path: str | None) -> None:
+    """Write ``--json`` and ``--html`` where asked."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(diagnosis.to_dict(), indent=2) + "\n")
+    if html_path:
+        Path(html_path).write_text(html_page(diagnosis))
+
+
+def html_page(diagnosis: Diagnosis) -> str:
+    """A self-contained page (no scripts, no downloads): the settings, median and spread."""
+    measured = [
+        ("as built", diagnosis.as_built),
+        (diagnosis.with_nostall[0].describe(), diagnosis.with_nostall[1]),
+        (diagnosis.without_nostall[0].describe(), diagnosis.without_nostall[1]),
+    ]
+    measured += [(f"search: {s.describe()}", Measured((r,))) for s, r in diagnosis.search.curve]
+    top = max(rate.high for _, rate in measured) or 1.0
+    bar_h, width, left = 22, 460, 360
+    bars = []
+    for i, (label, rate) in enumerate(measured):
+        y = i * (bar_h + 6)
+        w, lo, hi = (max(1.0, width * v / top) for v in (rate.median, rate.low, rate.high))
+        bars.append(
+            f'<text x="0" y="{y + 15}" font-size="12">{html.escape(label)}</text>'
+            f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="#3b7dd8"/>'
+            f'<line x1="{left + lo:.1f}" x2="{left + hi:.1f}" y1="{y + 11}" y2="{y + 11}" '
+            f'stroke="black"/>'
+            f'<text x="{left + 5 + hi:.1f}" y="{y + 15}" font-size="12">'
+            f"{rate.median:,.0f}</text>"
+        )
+    height = len(measured) * (bar_h + 6)
+    step, speedup = diagnosis.step_rate, diagnosis.speedup
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in (
+            ("device", diagnosis.device),
+            ("verdict", diagnosis.bound),
+            ("load only", per_s(diagnosis.load)),
+            ("step only", "n/a" if step is None else f"{step:,.0f}"),
+            ("loop as built", per_s(diagnosis.as_built)),
+            ("speed-up", "none measurable" if speedup is None else f"{speedup:.2f}x"),
+        )
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>nostall doctor</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 12px}</style></head>"
+        f"<body><h1>nostall doctor</h1><pre>{html.escape(diagnosis.summary())}</pre>"
+        f"<table>{rows}</table><h2>samples/s: median, and the range of the runs</h2>"
+        f"<svg width='{left + width + 80}' height='{height}' "
+        f"xmlns='http://www.w3.org/2000/svg'>{''.join(bars)}</svg></body></html>\n"
+    )

@@ -1,0 +1,166 @@
+"""The pool of loading threads that ``threads=`` fetches samples with.
+
+A :class:`Pool` runs tasks (one sample's fetch, see :mod:`nostall._threads`) in the order they
+were submitted, on at most ``size`` threads, started when work arrives and ended when idle, so
+that ``break``, ``close()`` or an epoch's end leaves no thread behind for long. Its invariants
+are in its docstring.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
+
+from . import _exit
+from ._exceptions import add_note
+from ._exit import track
+from ._stacks import short
+from ._warn import warn
+
+#: Seconds a loading thread waits for work before it ends.
+IDLE_S = 0.2
+
+
+class Pool:
+    """Threads running tasks in the order they were submitted; started on demand, idle ones end.
+
+    Invariants, each kept under ``lock``:
+        * ``live + len(free_ids) == size``: ``live`` counts the threads that take tasks,
+          ``free_ids`` holds the worker ids (0 to size - 1) none of them has. So at most
+          ``size`` counted threads run tasks at once, each with its own id (a thread
+          :meth:`abandon` stopped counting may still run one: see below).
+        * Tasks start in the order they were submitted (``tasks`` is first in, first out).
+        * A submitted task is run, or its future fails: it starts a thread when fewer than
+          ``size`` are counted, else wakes one. An idle thread decides to end under the lock,
+          so it cannot miss a task queued meanwhile. A thread the OS refuses leaves the task
+          to the running threads (one warning), or, with none running, fails the task's
+          future with the OS's error.
+        * A thread ends after :data:`IDLE_S` seconds without a task, once the interpreter
+          begins to exit (``_exit.exiting``: it takes no new task), or when :meth:`abandon`
+          stopped counting it (after its task returns). An abandoned thread's id is free at
+          once: a new thread may hold it while the abandoned one still runs.
+        * ``running`` maps the future of each task being run to its thread and worker id.
+
+    Threads are daemons named ``{name}-{worker id}``, tracked by :mod:`nostall._exit` (an
+    interpreter exit waits for them). Every task runs inside ``context()`` (on CUDA the
+    prefetcher's device and source stream: GPU work in ``__getitem__`` lands there).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        name: str,
+        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.size, self.name, self.context = size, name, context
+        self.tasks: collections.deque[tuple[Future[Any], Callable[[int], Any]]] = (
+            collections.deque()
+        )
+        self.lock = threading.Lock()
+        self.work = threading.Condition(self.lock)
+        self.live = 0
+        self.free_ids = list(range(size))
+        self.warned = False  # about a thread the OS refused
+        #: The thread running each task now, and its worker id.
+        self.running: dict[Future[Any], tuple[threading.Thread, int]] = {}
+        #: Threads :meth:`abandon` stopped counting: each ends once its task returns.
+        self.abandoned: set[threading.Thread] = set()
+
+    def submit(self, task: Callable[[int], Any], future: Future[Any] | None = None) -> Future[Any]:
+        """Queue ``task(worker_id)``; return its future (``future``, or a new one)."""
+        future = Future() if future is None else future
+        with self.lock:
+            self.tasks.append((future, task))
+            if self.live < self.size:
+                worker = self.free_ids[0]
+                name = f"{self.name}-{worker}"
+                thread = threading.Thread(target=self._run, args=(worker,), name=name, daemon=True)
+                try:
+                    track(thread).start()  # interpreter exit waits for it
+                except RuntimeError as e:  # the OS refused a thread ("can't start new thread")
+                    self._not_started(future, name, e)
+                    return future
+                self.free_ids.pop(0)
+                self.live += 1  # under the lock: the thread cannot end before it is counted
+            else:
+                self.work.notify()
+        return future
+
+    def _not_started(self, future: Future[Any], name: str, error: RuntimeError) -> None:
+        """A thread could not be started (the caller holds ``lock``); nothing is counted.
+
+        With threads running, they take the task, and the pool loads with fewer threads (one
+        warning). With none, the task fails with the OS's error: its batch raises it, and the
+        next batch tries to start a thread again.
+        """
+        if self.live:
+            if not self.warned:
+                self.warned = True
+                warn(
+                    f"nostall: could not start loading thread {name!r} ({error}); loading with "
+                    f"the {self.live} running, out of threads={self.size}: lower threads= or "
+                    f"the process's other threads",
+                    RuntimeWarning,
+                )
+            return
+        self.tasks.pop()  # the task just queued: no thread will run it
+        add_note(error, f"nostall: raised starting loading thread {name!r}")
+        future.set_exception(error)
+
+    def _run(self, worker: int) -> None:
+        me = threading.current_thread()
+        while True:
+            with self.lock:
+                if me in self.abandoned:
+                    self.abandoned.discard(me)
+                    return  # abandoned while it ran a task: no longer counted, takes no more
+                if not self.tasks and not _exit.exiting.is_set():
+                    self.work.wait(IDLE_S)
+                if not self.tasks or _exit.exiting.is_set():  # at exit: no new work
+                    self.live -= 1
+                    self.free_ids.append(worker)
+                    self.free_ids.sort()
+                    return
+                future, task = self.tasks.popleft()
+                self.running[future] = (me, worker)
+            if future.set_running_or_notify_cancel():
+                try:
+                    with self.context():
+                        result = task(worker)
+                    future.set_result(result)
+                except BaseException as e:
+                    future.set_exception(e)
+            with self.lock:
+                self.running.pop(future, None)
+
+    def abandon(self, future: Future[Any] | None = None) -> list[threading.Thread]:
+        """Stop counting the thread running ``future`` (every running one if None).
+
+        For threads stuck in a sample: each is interrupted at its next Python step (see
+        ``_exit.interrupt``; a call stuck in C gets it when it returns), and ends there without
+        taking another task; its slot goes to a new thread. Returns the threads abandoned.
+        """
+        with self.lock:
+            futures = list(self.running) if future is None else [future]
+            stuck = [self.running.pop(f) for f in futures if f in self.running]
+            for thread, worker in stuck:
+                self.abandoned.add(thread)
+                self.live -= 1
+                self.free_ids.append(worker)
+            self.free_ids.sort()
+        for thread, _ in stuck:
+            _exit.interrupt(thread)
+        return [thread for thread, _ in stuck]
+
+
+class SampleFuture(Future[Any]):
+    """The future of one sample, which knows the sample it loads (for messages)."""
+
+    def __init__(self, index: Any) -> None:
+        super().__init__()
+        self.sample = f"dataset[{short(index)}]"
