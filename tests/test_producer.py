@@ -177,8 +177,12 @@ def test_the_end_of_a_sized_epoch_is_pulled_only_when_asked() -> None:
     assert END == take(puller, 2)[0]
 
 
-def test_stop_all_producers_stops_live_threads() -> None:
+def test_stop_all_producers_stops_live_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The exit hook stops every live producer."""
+    from nostall import _exit
+
+    # The hook marks the process as exiting (loading pools then take no work): only here.
+    monkeypatch.setattr(_exit, "exiting", threading.Event())
     puller = start(1, "gen", (torch.tensor(i) for i in range(1000)))
     wait_until(lambda: puller.pulled >= 1, "a batch pulled")
     stop_all_producers(timeout=10.0)
