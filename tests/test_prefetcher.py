@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import re
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -580,20 +583,64 @@ def test_timeout_names_the_sample_that_has_not_returned(threads: int | None) -> 
         p.close()
 
 
-@pytest.mark.parametrize("threads", [None, 2])
-def test_the_epoch_after_a_timeout_starts_anew(threads: int | None) -> None:
-    """A sample stuck past timeout=: the next epoch loads every batch, as a DataLoader's does."""
+def test_the_epoch_after_a_timeout_under_threads_starts_anew() -> None:
+    """threads=: a sample stuck past timeout= is let go; the next epochs load every batch."""
     data = Blocking()
-    p = nostall.prefetch(DataLoader(data, batch_size=2), timeout=0.5, threads=threads)
+    p = nostall.prefetch(DataLoader(data, batch_size=2), timeout=0.5, threads=2)
     try:
         with pytest.raises(PrefetchTimeoutError):
             list(p)
-        if threads is None:  # the producer itself is stuck: started without it, with a warning
-            with pytest.warns(RuntimeWarning, match="starts from a new iterator without it"):
-                epoch = [b.tolist() for b in p]
-        else:  # the producer let go of the stuck loading thread
-            epoch = [b.tolist() for b in p]
-        assert BLOCKING_BATCHES == epoch
+        assert BLOCKING_BATCHES == [b.tolist() for b in p]
+        assert BLOCKING_BATCHES == [b.tolist() for b in p]
+    finally:
+        data.release.set()
+        p.close()
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)
+
+
+class BlockingInAWorker(Dataset[torch.Tensor]):
+    """Sample 5 sleeps for an hour the first time any worker process loads it."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            time.sleep(3600)
+        return torch.tensor(i)
+
+
+def test_the_epoch_after_a_timeout_in_a_worker_starts_anew(tmp_path: Path) -> None:
+    """A sample stuck in a worker process: the next epoch starts without it, as a DataLoader's."""
+    loader = DataLoader(BlockingInAWorker(str(tmp_path / "blocked")), batch_size=2, num_workers=2)
+    p = nostall.prefetch(loader, timeout=15)  # generous: worker start-up on a loaded machine
+    it = iter(p)
+    assert BLOCKING_BATCHES[:2] == [next(it).tolist(), next(it).tolist()]
+    with pytest.raises(PrefetchTimeoutError, match=r"batch 2"):
+        next(it)
+    # The stuck producer, interrupted, ends within the worker queue's poll, else is left.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "nostall: the producer thread", RuntimeWarning)
+        epoch = [b.tolist() for b in p]
+    assert BLOCKING_BATCHES == epoch
+    p.close()
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)
+
+
+def test_a_sample_stuck_in_nostalls_thread_keeps_the_next_epoch_waiting() -> None:
+    """num_workers=0: the stuck call is the dataset's own; no epoch runs beside it: the fix."""
+    data = Blocking()
+    p = nostall.prefetch(DataLoader(data, batch_size=2), timeout=0.5)
+    try:
+        with pytest.raises(PrefetchTimeoutError):
+            list(p)
+        with pytest.raises(PrefetchTimeoutError, match=r"dataset\[5\].*num_workers=N"):
+            list(p)
+        data.release.set()  # the call returns: the next epoch goes on
         assert BLOCKING_BATCHES == [b.tolist() for b in p]
     finally:
         data.release.set()

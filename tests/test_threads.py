@@ -568,3 +568,39 @@ def test_a_refused_loading_thread_leaves_the_running_ones_loading() -> None:
     assert refused
     assert [list(range(i, i + 4)) for i in range(0, 24, 4)] == got
     wait_for_no_nostall_threads()
+
+
+class _StuckAt3(Dataset[int]):
+    """Sample 3 waits for ``release``; the others return at once."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            self.release.wait(60)
+        return i
+
+
+def test_after_a_sample_times_out_the_queued_ones_still_load() -> None:
+    """threads=1, the loader's timeout=: the stuck sample's batch fails; the rest all load."""
+    data = _StuckAt3()
+    loader = DataLoader(data, batch_size=1, timeout=1)
+    got: list[Any] = []
+    with unwatched():
+        p = nostall.prefetch(loader, threads=1, depth=8, timeout=60)
+    try:
+        it = iter(p)
+        for _ in range(8):
+            try:
+                got.append(int(next(it)))
+            except RuntimeError as e:
+                got.append(str(e).split(":")[0])
+    finally:
+        data.release.set()
+        p.close()
+    assert [0, 1, 2, "DataLoader timed out after 1 seconds", 4, 5, 6, 7] == got
+    wait_for_no_nostall_threads()

@@ -36,6 +36,7 @@ from nostall import (
     _source_checks,
     _staging,
 )
+from nostall._epochs import EpochSource
 from nostall._global_draws import GlobalDrawsWarning, unwatched
 from nostall._warn import warn
 
@@ -267,6 +268,10 @@ def with_block_ends_while_stuck(entry: Entry, monkeypatch: pytest.MonkeyPatch) -
 
 
 def epoch_after_a_stuck_producer(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As a DataLoader with workers whose producer stays in the worker queue's poll: here a
+    # producer blocked in the dataset itself, deterministically (the release is never set
+    # before the next epoch starts).
+    monkeypatch.setattr(EpochSource, "independent_epochs", lambda self: True)
     data = Blocking()
     p = entry(DataLoader(data, batch_size=2), "cpu", timeout=2.0)  # only sample 5 takes this long
     try:

@@ -200,20 +200,26 @@ class EpochSource:
         return True
 
     def independent_epochs(self) -> bool:
-        """Whether an epoch's iterator shares nothing of the previous one's but the dataset.
+        """Whether an epoch may start while a thread is stuck in the previous one's source.
 
-        So an epoch may start while a thread is still stuck inside the previous epoch's
-        iterator, as a DataLoader's new worker processes do after a timeout: with ``threads=``
-        (each epoch a new ``ThreadedEpoch``), or a DataLoader whose ``iter()`` builds a new
-        iterator (no persistent workers) over a map-style dataset (an iterable dataset may
-        return itself from ``iter()``) or in worker processes (each with its own copy).
+        Only where no thread of this process that nostall started is inside the user's code
+        with the stuck one's state: under ``threads=`` (the stuck sample's thread is let go,
+        new ones load, and the dataset is one that threads may share), or a DataLoader with
+        worker processes and no persistent ones (the stuck sample is in a worker process the
+        old iterator owns; the new epoch starts new workers, as a DataLoader does after a
+        timeout). With ``num_workers=0`` the stuck call is the dataset's own, in nostall's
+        thread, and running another epoch beside it could share state it was not built to
+        share.
         """
         if self.pool is not None:
             return True
         source = self.source
-        if self.mirror is not None or not isinstance(source, DataLoader) or persistent(source):
-            return False
-        return source.num_workers > 0 or not isinstance(source.dataset, IterableDataset)
+        return (
+            self.mirror is None
+            and isinstance(source, DataLoader)
+            and source.num_workers > 0
+            and not persistent(source)
+        )
 
     def after_pull(self, end: bool) -> Any:
         """What the consumer must replay when this pull is handed out (accelerate), or None."""
@@ -228,13 +234,14 @@ class EpochSource:
         if self.mirror is not None:
             self.mirror.hand_out(hook, end=end)
 
-    def let_go_of_loading(self) -> None:
-        """Under ``threads=``: the loading threads stuck in a sample are counted no more.
+    def let_go_of_loading(self, stuck_for: float) -> None:
+        """Under ``threads=``: the loading threads stuck ``stuck_for`` s are counted no more.
 
-        New samples start new threads (see ``Pool.abandon``).
+        New samples start new threads (see ``Pool.abandon``); threads busy for less time end
+        their sample as usual.
         """
         if self.pool is not None:
-            self.pool.abandon()
+            self.pool.abandon(running_for=stuck_for)
 
     def before_open(self) -> None:
         """The consumer is about to open an epoch (accelerate: the shadow takes the shard's)."""

@@ -158,9 +158,10 @@ class PrefetchIterator(Iterator[T]):
             # thread pulled a batch itself), the iteration stops and its producer with it.
             self._stop("interrupted by KeyboardInterrupt")
             raise
-        except PrefetchTimeoutError as e:
-            if e.thread is not None and e.phase is not None and "previous" not in e.phase:
-                self._lineage.timed_out = e.thread  # stuck in the source: see let_go_of_stuck
+        except PrefetchTimeoutError:
+            puller = self._puller  # None: raised waiting for a previous producer
+            if puller is not None and self._timeout is not None:
+                self._lineage.mark_stuck(puller, self._timeout)  # see Lineage.let_go_of_stuck
             raise
         except (StopIteration, NostallError):
             raise

@@ -72,9 +72,9 @@ class Lineage:
         self.fork_generation = _producer.fork_generation
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
         self.checked_world = False
-        #: The name of the producer thread a ``timeout`` was raised on: it is stuck in the
-        #: source, and a new iteration or ``close()`` lets it go (see :meth:`let_go_of_stuck`).
-        self.timed_out: str | None = None
+        #: A puller a ``timeout`` was raised on, with its (epoch, pulled) then and the timeout:
+        #: stuck in the source while those have not moved (see :meth:`stuck_producer`).
+        self.stuck: tuple[weakref.ref[Puller], tuple[int, int], float] | None = None
 
     @property
     def epoch(self) -> int:
@@ -143,7 +143,8 @@ class Lineage:
             if timeout is not None and waited >= timeout:
                 where = _stacks.stuck_at(previous)
                 at = f" ({where})" if str(where) else ""
-                if stuck and self.epochs.independent_epochs():
+                independent = self.epochs.independent_epochs()
+                if stuck and independent:
                     warn(
                         f"nostall: the producer thread {previous.name!r} is still inside the "
                         f"previous epoch's source{at} after timeout={timeout} s; this epoch "
@@ -154,11 +155,20 @@ class Lineage:
                     )
                     self.thread = None
                     return
+                if not stuck:
+                    fix = "; raise timeout= if the source is slow but alive"
+                else:  # stuck in the dataset's own code, in nostall's thread
+                    fix = (
+                        "; it runs the dataset's own code in nostall's thread, which cannot be "
+                        "stopped, and another epoch beside it could share state it was not "
+                        "built to share. To go on without a stuck sample at the next epoch, as "
+                        "a DataLoader does, load with worker processes (DataLoader(num_workers="
+                        "N), not persistent) or with nostall.prefetch(..., threads=N)"
+                    )
                 raise PrefetchTimeoutError(
                     f"the previous iteration's producer thread {previous.name!r} is still inside "
                     f"next(source){at} after timeout={timeout} s; a new iteration cannot start "
-                    f"until it returns, since two threads must not pull from one source"
-                    + ("" if stuck else "; raise timeout= if the source is slow but alive"),
+                    f"until it returns, since two threads must not pull from one source" + fix,
                     timeout=timeout,
                     phase="inside next(source) for the previous iteration",
                     thread=previous.name,
@@ -166,17 +176,48 @@ class Lineage:
             previous.join(POLL_S)
             waited += POLL_S
 
-    def let_go_of_stuck(self) -> bool:
-        """Interrupt the producer a timeout was raised on, and its stuck loading threads.
+    def mark_stuck(self, puller: Puller, timeout: float) -> None:
+        """A ``timeout`` was raised waiting on ``puller``'s producer: it may be stuck."""
+        self.stuck = (weakref.ref(puller), (puller.epoch, puller.pulled), timeout)
 
-        Each ends at its next Python step (a call stuck in C: when it returns), dropping what
-        it loads; the loading pool counts them no more. Returns whether there was one.
+    def stuck_producer(self) -> tuple[threading.Thread, float] | None:
+        """The latest producer and the timeout, if a timeout marked it and it has not moved.
+
+        Stuck: still alive, still inside ``next(source)``, at the batch it was at when the
+        timeout was raised. One that went on since is not stuck (the mark is dropped).
         """
-        previous, name, self.timed_out = self.thread, self.timed_out, None
-        if previous is None or name != previous.name or not previous.is_alive():
+        mark, thread = self.stuck, self.thread
+        if mark is None:
+            return None
+        ref, at, timeout = mark
+        puller = ref()
+        if (
+            puller is None
+            or thread is None
+            or puller.channel.thread is not thread
+            or not thread.is_alive()
+            or (puller.epoch, puller.pulled) != at
+            or not puller.phase.startswith("next(source)")
+        ):
+            self.stuck = None
+            return None
+        return thread, timeout
+
+    def let_go_of_stuck(self) -> bool:
+        """Whether the latest producer is stuck (see :meth:`stuck_producer`); if so, let it go.
+
+        Where each epoch is independent of the last (``EpochSource.independent_epochs``), it
+        is interrupted at its next Python step (a call stuck in C: when it returns), dropping
+        what it loads, and loading threads stuck as long are counted no more. Elsewhere the
+        stuck call is the dataset's own, and is left alone.
+        """
+        stuck = self.stuck_producer()
+        if stuck is None:
             return False
-        _exit.interrupt(previous)
-        self.epochs.let_go_of_loading()
+        thread, timeout = stuck
+        if self.epochs.independent_epochs():
+            _exit.interrupt(thread)
+            self.epochs.let_go_of_loading(timeout)
         return True
 
     def handed_out_error(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -18,7 +19,7 @@ from typing import Any
 
 from . import _exit
 from ._exceptions import add_note
-from ._exit import track
+from ._exit import ThreadLetGo, track
 from ._stacks import short
 from ._warn import warn
 
@@ -66,8 +67,8 @@ class Pool:
         self.live = 0
         self.free_ids = list(range(size))
         self.warned = False  # about a thread the OS refused
-        #: The thread running each task now, and its worker id.
-        self.running: dict[Future[Any], tuple[threading.Thread, int]] = {}
+        #: The thread running each task now, its worker id, and when the task started.
+        self.running: dict[Future[Any], tuple[threading.Thread, int, float]] = {}
         #: Threads :meth:`abandon` stopped counting: each ends once its task returns.
         self.abandoned: set[threading.Thread] = set()
 
@@ -77,19 +78,28 @@ class Pool:
         with self.lock:
             self.tasks.append((future, task))
             if self.live < self.size:
-                worker = self.free_ids[0]
-                name = f"{self.name}-{worker}"
-                thread = threading.Thread(target=self._run, args=(worker,), name=name, daemon=True)
-                try:
-                    track(thread).start()  # interpreter exit waits for it
-                except RuntimeError as e:  # the OS refused a thread ("can't start new thread")
-                    self._not_started(future, name, e)
-                    return future
-                self.free_ids.pop(0)
-                self.live += 1  # under the lock: the thread cannot end before it is counted
+                self._start_thread(future)
             else:
                 self.work.notify()
         return future
+
+    def _start_thread(self, future: Future[Any] | None) -> bool:
+        """Start one thread (the caller holds ``lock``, with ``live < size``); True if started.
+
+        ``future``: the task just queued, failed with the OS's error if no thread can run it.
+        """
+        worker = self.free_ids[0]
+        name = f"{self.name}-{worker}"
+        thread = threading.Thread(target=self._run, args=(worker,), name=name, daemon=True)
+        try:
+            track(thread).start()  # interpreter exit waits for it
+        except RuntimeError as e:  # the OS refused a thread ("can't start new thread")
+            if future is not None:
+                self._not_started(future, name, e)
+            return False
+        self.free_ids.pop(0)
+        self.live += 1  # under the lock: the thread cannot end before it is counted
+        return True
 
     def _not_started(self, future: Future[Any], name: str, error: RuntimeError) -> None:
         """A thread could not be started (the caller holds ``lock``); nothing is counted.
@@ -113,6 +123,11 @@ class Pool:
         future.set_exception(error)
 
     def _run(self, worker: int) -> None:
+        # Let go between two tasks (at exit, or abandoned as its task returned): it ends.
+        with contextlib.suppress(ThreadLetGo):
+            self._work(worker)
+
+    def _work(self, worker: int) -> None:
         me = threading.current_thread()
         while True:
             with self.lock:
@@ -127,7 +142,7 @@ class Pool:
                     self.free_ids.sort()
                     return
                 future, task = self.tasks.popleft()
-                self.running[future] = (me, worker)
+                self.running[future] = (me, worker, time.monotonic())
             if future.set_running_or_notify_cancel():
                 try:
                     with self.context():
@@ -138,24 +153,36 @@ class Pool:
             with self.lock:
                 self.running.pop(future, None)
 
-    def abandon(self, future: Future[Any] | None = None) -> list[threading.Thread]:
-        """Stop counting the thread running ``future`` (every running one if None).
+    def abandon(
+        self, future: Future[Any] | None = None, *, running_for: float = 0.0
+    ) -> list[threading.Thread]:
+        """Stop counting the thread running ``future`` (else each running ``running_for`` s).
 
         For threads stuck in a sample: each is interrupted at its next Python step (see
-        ``_exit.interrupt``; a call stuck in C gets it when it returns), and ends there without
-        taking another task; its slot goes to a new thread. Returns the threads abandoned.
+        ``_exit.interrupt``; a call stuck in C gets it when it returns) and ends there without
+        taking another task; its slot goes to a new thread, started at once for the tasks
+        queued. Returns the threads abandoned.
         """
         with self.lock:
-            futures = list(self.running) if future is None else [future]
-            stuck = [self.running.pop(f) for f in futures if f in self.running]
-            for thread, worker in stuck:
+            if future is not None:
+                futures = [future] if future in self.running else []
+            else:
+                since = time.monotonic() - running_for
+                futures = [f for f, (_, _, started) in self.running.items() if started <= since]
+            stuck = [self.running.pop(f) for f in futures]
+            for thread, worker, _ in stuck:
                 self.abandoned.add(thread)
                 self.live -= 1
                 self.free_ids.append(worker)
             self.free_ids.sort()
-        for thread, _ in stuck:
-            _exit.interrupt(thread)
-        return [thread for thread, _ in stuck]
+            for _ in range(min(len(self.tasks), self.size - self.live)):
+                if not self._start_thread(None):
+                    break  # the OS refused: the next submit tries again
+            # Under the lock: an abandoned thread cannot end (it needs the lock to) before
+            # its interrupt is sent, so the interrupt cannot reach another thread.
+            for thread, _, _ in stuck:
+                _exit.interrupt(thread)
+        return [thread for thread, _, _ in stuck]
 
 
 class SampleFuture(Future[Any]):

@@ -224,8 +224,16 @@ class Prefetcher(Generic[T]):
 
     @property
     def depth(self) -> int | Literal["auto"]:
-        """How many batches may be fetched ahead, as passed (see :attr:`current_depth`)."""
+        """How many batches may be fetched ahead, as passed (see :attr:`current_depth`).
+
+        Set, it applies from the next ``iter()``.
+        """
         return self._settings.depth
+
+    @depth.setter
+    def depth(self, depth: int | Literal["auto"]) -> None:
+        check.depth(depth)
+        self._settings = self._settings.replace(depth=depth)
 
     @property
     def across_epochs(self) -> bool:

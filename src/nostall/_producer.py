@@ -25,7 +25,7 @@ from typing import Any
 from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
-from ._exit import track, wind_down
+from ._exit import ThreadLetGo, track, wind_down
 from ._stacks import stuck_at
 from ._staging import Staged, Staging
 from ._torch_compat import dead_workers_behind
@@ -244,7 +244,14 @@ class Puller:
             return self._failed(e, "raised by the source's state_dict()", hook)
 
     def _failed(self, error: BaseException, where: str, hook: Any = None) -> Message:
-        """An error message: one batch's (the epoch goes on) or the epoch's (it ends)."""
+        """An error message: one batch's (the epoch goes on) or the epoch's (it ends).
+
+        Except this thread being let go (``ThreadLetGo``: at exit, or stuck past a timeout):
+        that is raised on, ending the thread with nothing sent, never handed to a consumer.
+        """
+        if isinstance(error, ThreadLetGo):
+            self.batches, self.finished = None, True
+            raise error
         ends_epoch = self.batches is None or not isinstance(error, Exception)
         if ends_epoch:
             self.batches, self.finished = None, True
@@ -405,6 +412,8 @@ def produce(puller: Puller) -> None:
             if kind is FAILED or (kind is END and not puller.epochs.across_epochs):
                 return
         paused = puller.after_error and not channel.stop.is_set()
+    except ThreadLetGo:
+        pass  # let go (at exit, or stuck past a timeout): the thread ends, nothing sent
     finally:
         if not paused:
             with puller.pull_lock:
@@ -423,7 +432,7 @@ def stop_all_producers(timeout: float = EXIT_JOIN_S) -> None:
     ``timeout``: seconds the threads are given to end on their own before being interrupted.
     """
     for puller in list(_live):
-        puller.channel.stop.set()
+        puller.channel.wake_to_stop("the interpreter is exiting")
         if puller.channel.thread is not None:
             track(puller.channel.thread)
     wind_down(timeout)

@@ -14,12 +14,19 @@ from typing import NamedTuple
 
 import torch
 
-#: Code under these folders is the machinery around the user's code, never where it is stuck.
-_MACHINERY = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (__file__, threading.__file__, torch.__file__)
-    if path is not None
-)
+#: nostall's and torch's folders: the machinery around the user's code.
+_OURS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torch.__file__) if path)
+#: The standard library's folder (packages may be installed beneath it, in site-packages).
+_STDLIB = os.path.dirname(threading.__file__) + os.sep
+
+
+def _machinery(filename: str) -> bool:
+    """Whether code in ``filename`` is around the user's code, never where it is stuck."""
+    if filename.startswith(_OURS):
+        return True
+    installed = "site-packages" in filename or "dist-packages" in filename
+    return filename.startswith(_STDLIB) and not installed
+
 
 #: Methods whose first argument (after ``self``) is the sample being loaded.
 _LOADS = ("__getitem__", "__getitems__")
@@ -46,7 +53,7 @@ def stuck_at(thread: threading.Thread | None) -> Stuck:
     line, sample = "", ""
     while frame is not None and not (line and sample):
         code = frame.f_code
-        if not line and not code.co_filename.startswith(_MACHINERY):
+        if not line and not _machinery(code.co_filename):
             line = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
         if not sample and code.co_name in _LOADS and code.co_argcount >= 2:
             sample = f"dataset[{short(frame.f_locals.get(code.co_varnames[1]))}]"

@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import prepared_loader_types, unthreadable_shard
 from ._exceptions import add_note
+from ._exit import ThreadLetGo
 from ._fabric import is_fabric_loader, threads_refusal
 from ._pool import Pool, SampleFuture
 from ._stacks import stuck_at
@@ -283,7 +284,10 @@ class ThreadedEpoch(Iterator[Any]):
                         )
             finally:
                 self.waiting = None
-        return future.result()
+        try:
+            return future.result()
+        except ThreadLetGo as e:  # its thread was let go (stuck): never this thread's own exit
+            raise RuntimeError(f"{getattr(future, 'sample', 'a sample')} was let go") from e
 
     def waiting_on(self) -> str:
         """What ``__next__`` waits for now: the sample, its thread and line; '' if nothing."""
@@ -293,7 +297,8 @@ class ThreadedEpoch(Iterator[Any]):
         future, sample = waiting
         running = self.pool.running.get(future)
         if running is None:
-            return f"{sample} (not started: every loading thread is busy)"
+            busy = "every loading thread is busy" if self.pool.live else "no loading thread runs"
+            return f"{sample} (not started: {busy})"
         thread = running[0]
         line = stuck_at(thread).line
         return f"{sample} in {thread.name!r}" + (f" at {line}" if line else "")
