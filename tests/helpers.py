@@ -440,3 +440,21 @@ def refused_thread_starts(prefix: str, refusals: int | None = None) -> Iterator[
         yield refused
     finally:
         threading.Thread.start = start  # type: ignore[method-assign]
+
+
+class Blocking(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample 5 blocks (in C: a lock) until ``release`` is set, the first time it is loaded."""
+
+    def __init__(self, n: int = 16) -> None:
+        self.n = n
+        self.release = threading.Event()
+        self.blocked = threading.Event()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5 and not self.blocked.is_set():
+            self.blocked.set()
+            self.release.wait()
+        return torch.tensor(i)

@@ -22,7 +22,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import as_dataset, refused_thread_starts, wait_for_no_nostall_threads, wait_until
+from helpers import (
+    Blocking,
+    as_dataset,
+    refused_thread_starts,
+    wait_for_no_nostall_threads,
+    wait_until,
+)
 from simcuda import simulated_cuda
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
@@ -126,23 +132,6 @@ class StuckAt:
                 self.blocked.set()
                 self.release.wait()
             yield torch.tensor(i)
-
-
-class Blocking(Dataset[torch.Tensor]):
-    """Sample 5 blocks until ``release`` is set, the first time it is loaded."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.blocked = threading.Event()
-
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i == 5 and not self.blocked.is_set():
-            self.blocked.set()
-            self.release.wait()
-        return torch.tensor(i)
 
 
 def open_per_worker(worker_id: int) -> None:
@@ -272,7 +261,7 @@ def epoch_after_a_stuck_producer(entry: Entry, monkeypatch: pytest.MonkeyPatch) 
     # producer blocked in the dataset itself, deterministically (the release is never set
     # before the next epoch starts).
     monkeypatch.setattr(EpochSource, "independent_epochs", lambda self: True)
-    data = Blocking()
+    data = Blocking(8)
     p = entry(DataLoader(data, batch_size=2), "cpu", timeout=2.0)  # only sample 5 takes this long
     try:
         with pytest.raises(PrefetchTimeoutError):
