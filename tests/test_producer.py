@@ -16,7 +16,8 @@ import nostall
 from nostall import PrefetchTimeoutError
 from nostall._channel import BATCH, END, ERROR, FAILED, Channel
 from nostall._epochs import EpochSource
-from nostall._producer import Puller, produce, stop_all_producers
+from nostall._producer import Puller
+from nostall._producer_thread import produce, stop_all_producers
 from nostall._staging import Staging
 
 CPU = torch.device("cpu")

@@ -25,6 +25,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
     _producer     the puller fills it: next(source), staging, error notes, the epoch's end and
       |           the next epoch's start; in a background thread, or in the consumer's when
       |           it would only wait
+      |   _producer_thread  the puller's thread; the threads exit and fork() stop
       |   _autodepth      how deep depth="auto" may grow: one memory budget
       |   _resume         where the consumer is (one Position value), the state_dict from it
       |   _lineage        what one pass hands the next: the position, the producer ahead

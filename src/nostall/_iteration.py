@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from . import _producer
+from . import _producer_thread
 from ._autodepth import auto_depth_limit
 from ._channel import BATCH, END, ERROR, Channel, Message
 from ._exceptions import (
@@ -36,7 +36,8 @@ from ._exceptions import (
 )
 from ._exit import track
 from ._lineage import Lineage, check_not_forked
-from ._producer import Puller, produce
+from ._producer import Puller
+from ._producer_thread import produce
 from ._samplers import readable_epoch
 from ._source_checks import describe, warn_if_hidden_from_framework
 from ._staging import CudaStaging
@@ -137,7 +138,7 @@ class PrefetchIterator(Iterator[T]):
             puller = self._puller
             if puller is None:
                 puller = self._start_or_end()
-            elif self._lineage.fork_generation != _producer.fork_generation:
+            elif self._lineage.fork_generation != _producer_thread.fork_generation:
                 check_not_forked(self._lineage)
             elif self._launch_failed:
                 self._launch(puller)

@@ -13,7 +13,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from . import _exit, _producer, _stacks
+from . import _exit, _producer_thread, _stacks
 from ._channel import BATCH, POLL_S, Channel
 from ._epochs import EpochSource
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
@@ -68,8 +68,8 @@ class Lineage:
         #: A transform state loaded, to set when the next producer starts (not before: the
         #: previous producer may still be transforming a batch).
         self.pending_transform_state: Any = None
-        #: ``_producer.fork_generation`` when this was built: producers do not survive fork().
-        self.fork_generation = _producer.fork_generation
+        #: ``_producer_thread.fork_generation`` when built: producers do not survive fork().
+        self.fork_generation = _producer_thread.fork_generation
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
         self.checked_world = False
         #: A puller a ``timeout`` was raised on, with its (epoch, pulled) then and the timeout:
@@ -286,7 +286,7 @@ class Lineage:
 
 def check_not_forked(lineage: Lineage) -> None:
     """Refuse to go on in a child process: the producer thread did not survive fork()."""
-    if lineage.fork_generation != _producer.fork_generation and lineage.thread is not None:
+    if lineage.fork_generation != _producer_thread.fork_generation and lineage.thread is not None:
         raise PrefetcherClosedError(
             "this Prefetcher was started in the parent of this process, and its producer "
             "thread did not survive fork(): create the prefetcher (or call nostall.prefetch "

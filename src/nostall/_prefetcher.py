@@ -19,7 +19,7 @@ from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._fabric import fabric_device
 from ._iteration import PrefetchIterator
 from ._lineage import Lineage, check_not_forked
-from ._producer import join_quietly
+from ._producer_thread import join_quietly
 from ._profile import StallRecorder, StallReport
 from ._resume import loaded_position, state_of
 from ._samplers import forward_set_epoch as _forward_set_epoch

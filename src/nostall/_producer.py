@@ -1,22 +1,19 @@
-"""The producer: a puller that takes batches from the source and stages them, and its thread.
+"""The producer: a puller that takes batches from the source and stages them.
 
 A :class:`Puller` owns everything about pulling: the epoch source, the source's iterator, the
 staging, where each error happened, and the rollover from one epoch to the next. It sends what
-it pulls into its :class:`~nostall._channel.Channel`, from the producer thread (:func:`produce`)
-or, when the producer is idle and nothing is queued, from the consumer's own thread.
+it pulls into its :class:`~nostall._channel.Channel`, from the producer thread
+(:func:`nostall._producer_thread.produce`) or, when the producer is idle and nothing is queued,
+from the consumer's own thread.
 
 The producer thread is given only a Puller; it holds no reference to the prefetcher or to the
 iteration that started it, so dropping those is enough for the garbage collector to collect them
-and stop the thread. Live producers are stopped before the interpreter exits, and a fork is
-noticed (producer threads do not survive one).
+and stop the thread.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -25,13 +22,10 @@ from typing import Any
 from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
-from ._exit import ThreadLetGo, track, wind_down
+from ._exit import ThreadLetGo
 from ._stacks import stuck_at
 from ._staging import Staged, Staging
 from ._torch_compat import dead_workers_behind
-
-#: How long interpreter exit waits, in all, for live producers to stop (seconds).
-EXIT_JOIN_S = 2.0
 
 #: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.
 STALE: Any = object()
@@ -355,113 +349,3 @@ class Puller:
         """Return once no pull is under way (one may be opening an epoch: ``set_epoch``)."""
         with self.pull_lock:
             pass
-
-
-def produce(puller: Puller) -> None:
-    """Body of a producer thread: pull, stage and send batches until finished or stopped.
-
-    Every batch pulled from the source is sent, even when a stop arrives meanwhile, so that a
-    one-shot source loses nothing. The source's iterator is let go here, in this thread, when
-    the loop ends (a DataLoader's workers shut down with it). After an error in one batch the
-    thread ends but leaves the iterator to the puller (``after_error``): a loop that stops at
-    the error leaves nothing running, and one that goes on starts a new producer.
-    """
-    channel = puller.channel
-    _live.add(puller)
-    paused = False
-
-    def give_up() -> bool:
-        return puller.after_error
-
-    try:
-        try:
-            puller.staging.start_thread()
-            puller.threads_set.set()
-        except BaseException as e:
-            if channel.acquire(give_up):
-                name = threading.current_thread().name
-                with puller.pull_lock:
-                    where = f"raised in {name!r} while preparing it for {puller.staging.device}"
-                    puller.batches = None  # nothing can be staged: the epoch ends here
-                    channel.put(puller._failed(e, where))
-            return
-        while channel.acquire(give_up):
-            if not puller.wait_at_gate():
-                channel.give_back()
-                return
-            with puller.pull_lock:
-                if puller.finished or channel.stop.is_set():
-                    # The consumer pulled the end or an error itself, or let this channel go
-                    # (and may now touch the source itself: no pull may start after a stop).
-                    channel.give_back()
-                    return
-                if puller.after_error:
-                    channel.give_back()  # the slot taken for a pull that will not happen
-                    paused = True
-                    return
-                if not puller.gate_open():
-                    # The consumer pulled the last batch asked for itself since the gate was
-                    # seen open: asking the source past it would have effects (a sampler's
-                    # draw at its end), so wait at the gate again.
-                    channel.give_back()
-                    continue
-                message = puller.pull()
-                channel.put(message)
-            kind = message[0]
-            del message  # the consumer owns the batch now
-            if kind is FAILED or (kind is END and not puller.epochs.across_epochs):
-                return
-        paused = puller.after_error and not channel.stop.is_set()
-    except ThreadLetGo:
-        pass  # let go (at exit, or stuck past a timeout): the thread ends, nothing sent
-    finally:
-        if not paused:
-            with puller.pull_lock:
-                puller.batches, puller.finished = None, True
-        puller.phase = "paused after an error" if paused else "ended"
-        _live.discard(puller)
-
-
-# Pullers whose producer thread is running, so that interpreter exit can stop them first.
-_live: set[Puller] = set()
-
-
-def stop_all_producers(timeout: float = EXIT_JOIN_S) -> None:
-    """Ask every live producer to stop, and end every nostall thread (see ``_exit.wind_down``).
-
-    ``timeout``: seconds the threads are given to end on their own before being interrupted.
-    """
-    for puller in list(_live):
-        puller.channel.wake_to_stop("the interpreter is exiting")
-        if puller.channel.thread is not None:
-            track(puller.channel.thread)
-    wind_down(timeout)
-
-
-def join_quietly(thread: threading.Thread | None, timeout: float) -> bool:
-    """Join ``thread`` unless the interpreter is finalising; True if it is no longer running."""
-    if thread is None or not thread.is_alive():
-        return True
-    if sys.is_finalizing() or thread is threading.current_thread():
-        return False
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
-#: Bumped in a child process after ``fork()``: producer threads do not survive a fork, so an
-#: iteration started before it cannot deliver batches after it.
-fork_generation = 0
-
-
-def _after_fork_in_child() -> None:
-    global fork_generation
-    fork_generation += 1
-    _live.clear()  # their threads exist in the parent only
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-# Runs before the interpreter finalises (and before torch's own exit handler, registered
-# earlier), so producers stop while the sources they pull from still work.
-atexit.register(stop_all_producers)
