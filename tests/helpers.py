@@ -458,3 +458,37 @@ class Blocking(torch.utils.data.Dataset[torch.Tensor]):
             self.blocked.set()
             self.release.wait()
         return torch.tensor(i)
+
+
+class Hidden:
+    """Its ``.to()`` returns an object that keeps the tensor in a closure, out of sight."""
+
+    def __init__(self, x: torch.Tensor, hide: bool = False) -> None:
+        self.get: Callable[[], torch.Tensor]
+        if hide:
+            self.get = lambda: x
+        else:
+            self.x = x
+            self.get = lambda: self.x
+
+    def to(self, device: Any, non_blocking: bool = False) -> Hidden:
+        return Hidden(self.get().to(device, non_blocking=non_blocking), hide=True)
+
+    def pin_memory(self) -> Hidden:
+        return Hidden(self.get().pin_memory())
+
+
+class HiddenEpoch(torch.utils.data.Sampler[int]):
+    """A sampler of 4 whose ``set_epoch`` keeps no readable ``epoch``."""
+
+    def __init__(self) -> None:
+        self._e = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+    def __len__(self) -> int:
+        return 4
+
+    def set_epoch(self, epoch: int) -> None:
+        self._e = epoch

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import (
     CountingSource,
+    HiddenEpoch,
     as_dataset,
     nostall_threads,
     settle,
@@ -613,22 +614,10 @@ def test_stopping_early_does_not_leave_the_next_epoch_drawn() -> None:
 
 def test_warns_when_set_epoch_target_shows_no_epoch() -> None:
     """across_epochs cannot see outside set_epoch calls on a sampler without ``epoch``."""
-
-    class Hidden(Sampler[int]):
-        def __init__(self) -> None:
-            self._e = 0
-
-        def __iter__(self) -> Iterator[int]:
-            return iter(range(4))
-
-        def __len__(self) -> int:
-            return 4
-
-        def set_epoch(self, epoch: int) -> None:
-            self._e = epoch
-
     with pytest.warns(UserWarning, match="no readable 'epoch' attribute"):
-        p = nostall.prefetch(DataLoader(Indices(4), sampler=Hidden()), "cpu", across_epochs=True)
+        p = nostall.prefetch(
+            DataLoader(Indices(4), sampler=HiddenEpoch()), "cpu", across_epochs=True
+        )
     p.close()
 
 

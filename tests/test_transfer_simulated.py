@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from helpers import as_dataset
+from helpers import Hidden, as_dataset
 from simcuda import STREAM_POOL, Kind, SimStream, Simulation, simulated_cuda
 
 import nostall
@@ -841,25 +841,6 @@ def test_copies_an_object_keeps_anywhere_are_protected(
     got = _consume_dropping(sim, p, consumer, lambda b: b.tensor())
     _same(got, _expected(data))
     assert sim.hazards == []
-
-
-class Hidden:
-    """A batch whose ``.to()`` result keeps its tensor in a closure, out of nostall's sight."""
-
-    get: Callable[[], torch.Tensor]
-
-    def __init__(self, x: torch.Tensor, hide: bool = False) -> None:
-        if hide:
-            self.get = lambda: x
-        else:
-            self.x = x
-            self.get = lambda: self.x
-
-    def to(self, device: Any, non_blocking: bool = False) -> Hidden:
-        return Hidden(self.get().to(device, non_blocking=non_blocking), hide=True)
-
-    def pin_memory(self) -> Hidden:
-        return Hidden(self.get().pin_memory())
 
 
 def test_tensors_nostall_cannot_find_are_warned_about_once(sim: Simulation) -> None:

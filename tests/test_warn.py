@@ -24,13 +24,15 @@ import pytest
 import torch
 from helpers import (
     Blocking,
+    Hidden,
+    HiddenEpoch,
     as_dataset,
     refused_thread_starts,
     wait_for_no_nostall_threads,
     wait_until,
 )
 from simcuda import simulated_cuda
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
 from nostall import (
@@ -55,22 +57,6 @@ SRC = Path(nostall.__file__).parent
 
 
 # Sources and batches the rows need.
-
-
-class HiddenEpoch(Sampler[int]):
-    """A sampler whose set_epoch keeps no readable ``epoch``."""
-
-    def __init__(self) -> None:
-        self._e = 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(4))
-
-    def __len__(self) -> int:
-        return 4
-
-    def set_epoch(self, epoch: int) -> None:
-        self._e = epoch
 
 
 class Stream(IterableDataset[int]):
@@ -98,24 +84,6 @@ class Unpinnable:
 
     def to(self, device: Any, non_blocking: bool = False) -> Unpinnable:
         return Unpinnable(self.x.to(device, non_blocking=non_blocking))
-
-
-class Hidden:
-    """Its ``.to()`` returns an object that keeps the tensor in a closure, out of sight."""
-
-    def __init__(self, x: torch.Tensor, hide: bool = False) -> None:
-        self.get: Callable[[], torch.Tensor]
-        if hide:
-            self.get = lambda: x
-        else:
-            self.x = x
-            self.get = lambda: self.x
-
-    def to(self, device: Any, non_blocking: bool = False) -> Hidden:
-        return Hidden(self.get().to(device, non_blocking=non_blocking), hide=True)
-
-    def pin_memory(self) -> Hidden:
-        return Hidden(self.get().pin_memory())
 
 
 class StuckAt:
