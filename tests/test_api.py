@@ -148,10 +148,6 @@ def test_the_modules_the_path_shares_import_none_of_it() -> None:
     assert {} == {m: sorted(_imports(m) & drawn) for m in shared if _imports(m) & drawn}
 
 
-#: Modules still over the limit, being split now (issue 25); this list only shrinks.
-STILL_LONG = {"_epochs.py", "_iteration.py", "_prefetcher.py", "_staging.py"}
-
-
 def test_no_module_is_longer_than_400_lines() -> None:
     """One concept per module: a module past 400 lines holds more than one; split it."""
     long = {
@@ -159,4 +155,4 @@ def test_no_module_is_longer_than_400_lines() -> None:
         for path in sorted(PACKAGE.rglob("*.py"))
         if (n := len(path.read_text().splitlines())) > 400
     }
-    assert {} == {name: n for name, n in long.items() if name not in STILL_LONG}
+    assert {} == long

@@ -32,6 +32,7 @@ from nostall._global_draws import (
     moved,
     snapshot,
 )
+from nostall._sources import classify
 
 SAMPLES, FEATURES = 48, 8
 
@@ -279,9 +280,9 @@ def test_snapshots_see_each_generator_and_nothing_else() -> None:
 
 
 def test_lists_and_worker_loaders_start_clear() -> None:
-    assert not DrawWatch([torch.zeros(1)]).in_step
-    assert DrawWatch([torch.zeros(1)], transform=True).in_step
-    assert DrawWatch(loader()).in_step
+    assert not DrawWatch(classify([torch.zeros(1)])).in_step
+    assert DrawWatch(classify([torch.zeros(1)]), transform=True).in_step
+    assert DrawWatch(classify(loader())).in_step
 
 
 @pytest.mark.cuda

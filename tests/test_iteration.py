@@ -134,14 +134,14 @@ def test_a_producer_paused_at_an_error_stays_paused_until_the_error_is_taken() -
     puller = it._puller
     assert puller is not None
     wait_until(lambda: puller.after_error, "the producer pulled the failed batch")
-    paused = it._lineage.thread
+    paused = it._lineage.producer.thread
     assert next(it).tolist() == [4, 5]  # queued before the error
-    assert it._lineage.thread is paused  # no producer started for what follows the error
+    assert it._lineage.producer.thread is paused  # no producer started for what follows the error
     with pytest.raises(ValueError, match="sample 6"):
         next(it)
-    assert it._lineage.thread is paused
+    assert it._lineage.producer.thread is paused
     assert next(it).tolist() == [8, 9]  # the loop caught it and asks on: producing resumes
-    assert it._lineage.thread is not paused
+    assert it._lineage.producer.thread is not paused
 
 
 def test_a_refused_producer_thread_raises_the_os_error_then_next_goes_on() -> None:

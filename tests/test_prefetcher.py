@@ -636,7 +636,7 @@ def test_close_after_a_timeout_does_not_wait_for_the_stuck_sample(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """close() after a timeout returns without waiting out its join on the stuck producer."""
-    import nostall._prefetcher as module
+    import nostall._latest_producer as module
 
     monkeypatch.setattr(module, "CLOSE_JOIN_S", 120.0)
     data = Blocking()

@@ -159,7 +159,7 @@ def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
     """After a resume the epoch still looks ahead, and numbers its batches from where it was."""
     loader = DataLoader(as_dataset(list(range(20))), batch_size=2)
     with unwatched():  # known to draw nothing: no batch is loaded in step (test_global_draws)
-        epochs = EpochSource(loader, False, None, threads=2)
+        epochs = EpochSource(loader, False, threads=2)
     epochs.room = lambda: 3
     resumed = skip_ahead(loader, 2, epochs._iterate)
     assert isinstance(resumed, ThreadedEpoch)

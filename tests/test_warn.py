@@ -38,8 +38,8 @@ import nostall
 from nostall import (
     PrefetchTimeoutError,
     _device,
+    _latest_producer,
     _pool,
-    _prefetcher,
     _sharding,
     _source_checks,
     _staging,
@@ -197,7 +197,7 @@ def hidden_tensors(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def close_while_stuck(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_prefetcher, "CLOSE_JOIN_S", 0.05)
+    monkeypatch.setattr(_latest_producer, "CLOSE_JOIN_S", 0.05)
     source = StuckAt(1)
     try:
         with unwatched():  # the producer runs ahead from the first batch, not in step
@@ -211,7 +211,7 @@ def close_while_stuck(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def with_block_ends_while_stuck(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_prefetcher, "CLOSE_JOIN_S", 0.05)
+    monkeypatch.setattr(_latest_producer, "CLOSE_JOIN_S", 0.05)
     source = StuckAt(1)
     with unwatched():
         p = entry(source, "cpu", timeout=60)

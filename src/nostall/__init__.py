@@ -10,10 +10,15 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
 
     source (a DataLoader, a list, a generator)
       |   _fabric         Lightning Fabric's loader: the iter() count that sets its epoch
+      |   _sources        what the source is, decided once: the kind every other module asks
+      |   _webdataset     webdataset pipelines: the shuffles a resume cannot draw again
+      |   _sharding       shard=True: each rank's part of an unsharded loader
+      |   _global_draws   a source that draws from the global generators is pulled in step
       |   _pool           the loading threads: tasks in order, started on demand, idle ones end
       |   _threads        threads=: the loader's samples fetched by loading threads, in order
       |   _samplers       what the sampler says and does: set_epoch, its epoch, generators
       |   _skip           skipping the batches of an epoch already handed out, on resume
+      |   _drawn_orders   what each epoch's order was drawn from, to draw it again on resume
       |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
       |   _transfer       the moves themselves: pin_memory, to_device, record_stream
@@ -26,6 +31,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       |           the next epoch's start; in a background thread, or in the consumer's when
       |           it would only wait
       |   _producer_thread  the puller's thread; the threads exit and fork() stop
+      |   _latest_producer  one producer at a time: waited for, let go when stuck, joined
       |   _autodepth      how deep depth="auto" may grow: one memory budget
       |   _resume         where the consumer is (one Position value), the state_dict from it
       |   _lineage        what one pass hands the next: the position, the producer ahead
@@ -33,6 +39,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       |   _settings       the arguments after the source: one frozen value, checked once
       v
     _iteration    next() empties it: the consumer's stream waits, the batch is handed out
+      |   _loader_attributes  a drop-in: the loader's attributes read and set through it
       v
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
 

@@ -23,8 +23,6 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from torch.utils.data import DataLoader
-
 from ._transformers import SKIP_FIRST_BATCHES_CALLERS
 
 
@@ -126,12 +124,13 @@ def _routed(
     return skip_first_batches
 
 
-def unthreadable_shard(shard: Any) -> str:
+def unthreadable_shard(shard: Any, base_is_torchs: bool) -> str:
     """Why ``threads=`` cannot load this prepared loader's samples ('' when it can).
 
     The threads replace the loading of the plain ``DataLoader`` the shard iterates
     (``base_dataloader``); everything accelerate does around it (its look-ahead, device
     placement, gradient state) still runs, as :class:`ShardMirror` runs it.
+    ``base_is_torchs``: the shard's ``base_dataloader`` is iterated by ``DataLoader.__iter__``.
     """
     if is_dispatcher(shard):
         return (
@@ -139,10 +138,10 @@ def unthreadable_shard(shard: Any) -> str:
             "other ranks; prepare the loader with DataLoaderConfiguration(dispatch_batches="
             "False) (each rank loads its own shard, which threads= can load)"
         )
-    base = getattr(shard, "base_dataloader", None)
-    if not isinstance(base, DataLoader) or type(base).__iter__ is not DataLoader.__iter__:
+    if not base_is_torchs:
+        base = type(getattr(shard, "base_dataloader", None))
         return (
-            f"this prepared loader iterates a {type(base).__qualname__} (use_stateful_dataloader"
+            f"this prepared loader iterates a {base.__qualname__} (use_stateful_dataloader"
             f"=True), whose state threads would bypass; prepare it without the stateful loader"
         )
     return ""

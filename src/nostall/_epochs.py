@@ -15,32 +15,27 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
 from ._accelerate import ShardMirror
-from ._fabric import IterCount, fabric_inner_loader, is_fabric_loader
+from ._drawn_orders import DrawnOrders
+from ._fabric import IterCount
 from ._global_draws import DrawWatch
 from ._pool import Pool
 from ._samplers import (
     capture_rng,
     epoch_marks,
     forward_set_epoch,
-    generators_of,
     sampler_epoch_of,
 )
-from ._skip import persistent, skip_ahead
+from ._skip import skip_ahead
+from ._sources import Client, classify
 from ._threads import ThreadedEpoch
 from ._torch_compat import live_iterator
-
-#: Epochs before the latest one opened whose records (``EpochSource.captures``) are kept: the
-#: producer may open several short epochs ahead of a state saved in the first of them.
-KEPT_EPOCHS = 16
 
 
 class _Start(enum.Enum):
@@ -61,30 +56,24 @@ class EpochSource:
           is created, so its order is the one ``set_epoch(e)`` gives in a plain loop.
         * A loaded state (``resume``) is used by the first epoch opened with its number, then
           dropped.
-        * ``captures[e]`` holds what epoch e's order was drawn from, once e is open (until
-          e + KEPT_EPOCHS is opened, or e again). It is recorded before the order is drawn,
-          together with setting the generators it is drawn from, under ``opening``: a reader
-          that holds ``opening`` and finds no record of e knows that e's draws have not begun.
-        * Across epochs the producer draws the next epoch's order from torch's global
-          generator ahead of the consumer, at a moment that depends on the threads: a state
-          saved in epoch e records that generator as e + 1's draw finds it
-          (:meth:`next_draws_from`), and a resumed run draws e + 1 from it where its epochs
-          draw from torch's generator at all.
+        * What each epoch's order was drawn from is recorded by ``orders``
+          (:class:`~nostall._drawn_orders.DrawnOrders`), before the order is drawn.
     """
 
     def __init__(
         self,
         source: Iterable[Any],
         across_epochs: bool,
-        mirror: ShardMirror | None = None,
         threads: int | None = None,
         context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         *,
         transform: bool = False,
     ) -> None:
         self.source = source
+        #: What the source is (see :mod:`nostall._sources`): asked here, not by the engine.
+        self.kind = classify(source)
         #: Whether the source draws from the global generators; pulled in step while it may.
-        self.draws = DrawWatch(source, threads=threads, transform=transform)
+        self.draws = DrawWatch(self.kind, threads=threads, transform=transform)
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)
@@ -92,7 +81,7 @@ class EpochSource:
         self.room: Callable[[], int] = lambda: 0
         self.across_epochs = across_epochs
         #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
-        self.mirror = mirror
+        mirror = self.mirror = ShardMirror(source) if self.kind.accelerate_shard else None
         if mirror is not None and self.pool is not None:
             pool, draws = self.pool, self.draws  # the shard's DataLoader, inside its iteration
             mirror.load_with(
@@ -103,24 +92,17 @@ class EpochSource:
                     inline=lambda: draws.in_step,  # as _iterate: draws in the loop's order
                 )
             )
-        if mirror is not None:
-            self.stateful = mirror.stateful
-        else:
-            self.stateful = callable(getattr(source, "state_dict", None)) and callable(
-                getattr(source, "load_state_dict", None)
-            )
+        #: The source resumes through its own ``state_dict()`` (torchdata's loader; over
+        #: accelerate, a prepared stateful loader), not by drawing its order again.
+        self.stateful = mirror.stateful if mirror is not None else self.kind.stateful
         #: Over Fabric's loader: its count of iter() calls, which sets the sampler's epoch.
-        self.count = IterCount(source) if is_fabric_loader(source) else None
+        self.count = IterCount(source) if self.kind.client is Client.FABRIC else None
+        #: What each epoch's order was drawn from, and how the next one's is drawn.
+        self.orders = DrawnOrders(source, self.count)
         self.resume: dict[str, Any] | None = None
         #: The sampler's epoch marks (:meth:`marks`) as nostall last left or saw them; marks
         #: that differ at the next epoch's start were set by someone else.
         self.left_marks = self.marks()
-        self.captures: dict[int, dict[str, Any]] = {}
-        self.opening = threading.Lock()
-        #: (epoch, state, left): the epoch after a resumed one draws its order from torch's
-        #: global generator in ``state``, as the saved state said, provided the generator is
-        #: still as the resumed epoch ``left`` it (nothing else drew: see :meth:`_opened`).
-        self.follows: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def load(self, state: dict[str, Any]) -> None:
         """A checked state was loaded: its epoch is resumed by the next epoch opened.
@@ -131,7 +113,7 @@ class EpochSource:
         the uninterrupted run drew, and one that calls it still decides.
         """
         self.resume = state
-        self.follows = None
+        self.orders.forget_follow()
         replay = None if self.stateful else state["replay"]
         if replay is None or state["batches_yielded"]:
             return
@@ -139,6 +121,12 @@ class EpochSource:
             forward_set_epoch(self.iterable, replay["sampler_epoch"])
         if self.count is not None:
             self.count.restore(replay)
+
+    def use_source(self, source: Iterable[Any]) -> None:
+        """From the next epoch on, open ``source`` (a sharded copy of the same kind)."""
+        self.source = source
+        self.kind = classify(source)
+        self.orders.use_source(source)
 
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
@@ -169,19 +157,10 @@ class EpochSource:
     def counted_length(self) -> int | None:
         """``len(source)`` where it counts the batches an epoch yields; None where it estimates.
 
-        A map-style ``DataLoader`` (or Fabric's loader over one) yields its batch sampler's
-        batches, a list or tuple its items. torch documents the ``len()`` of a loader over an
-        ``IterableDataset`` as an estimate (with workers each yields its own share, and uneven
-        shares give more batches), and any other source's ``len()`` is only what it says: an
-        epoch of those is complete once its end was seen, not once ``len()`` batches were.
+        An epoch of a source whose ``len()`` is an estimate (see ``SourceKind.counted``) is
+        complete once its end was seen, not once ``len()`` batches were.
         """
-        inner = fabric_inner_loader(self.source)
-        loader = self.source if inner is None else inner
-        if isinstance(loader, DataLoader):
-            counted = not isinstance(loader.dataset, IterableDataset)
-        else:
-            counted = type(loader) in (list, tuple)
-        return self.length() if counted else None
+        return self.length() if self.kind.counted else None
 
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
@@ -213,13 +192,7 @@ class EpochSource:
         """
         if self.pool is not None:
             return True
-        source = self.source
-        return (
-            self.mirror is None
-            and isinstance(source, DataLoader)
-            and source.num_workers > 0
-            and not persistent(source)
-        )
+        return self.mirror is None and self.kind.restarts_workers
 
     def after_pull(self, end: bool) -> Any:
         """What the consumer must replay when this pull is handed out (accelerate), or None."""
@@ -287,7 +260,7 @@ class EpochSource:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
             return self._iterate(self.iterable), skipped
         if resume is None:
-            self._opened(epoch)
+            self.orders.opened(epoch)
             return self._iterate(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
@@ -295,8 +268,7 @@ class EpochSource:
         batches, drew = self._replay(epoch, replay, skipped)
         follows = replay.get("next_rng")
         if skipped and drew and follows is not None:
-            with self.opening:
-                self.follows = (epoch + 1, follows, torch.get_rng_state())
+            self.orders.follow(epoch + 1, follows)
         return batches, skipped
 
     def _ask_for_the_end(self, epoch: int, end_of: dict[str, Any]) -> None:
@@ -328,17 +300,17 @@ class EpochSource:
         user_rng = torch.get_rng_state()
         if self.count is not None:
             self.count.restore(replay)
-        self._opened(epoch, rng, fresh_iterator=replay["fresh_iterator"])
+        self.orders.opened(epoch, rng, fresh_iterator=replay["fresh_iterator"])
         drew = False
         try:
             fresh = live_iterator(self.source) is None
-            if persistent(self.source) and not replay["fresh_iterator"] and fresh:
+            if self.kind.persistent and not replay["fresh_iterator"] and fresh:
                 # A fresh persistent loader's first iter() also draws its workers' base seed,
                 # which the uninterrupted run drew in an earlier epoch: create it, then draw
                 # the order again from the restored state by resetting it with a second iter().
                 # (Once it exists, as after a replayed end, one iter() resets it, as there.)
                 iter(self.source)
-                self._restore(rng)
+                self.orders.restore(rng)
                 it = iter(self.source)
                 for _ in itertools.islice(it, skipped):
                     pass
@@ -362,7 +334,7 @@ class EpochSource:
         """What a state saved right after this batch needs (called where the batch was pulled)."""
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return self.captures.get(epoch)
+        return self.orders.drawn(epoch)
 
     def end_state(self, epoch: int, drawn: Any = None) -> Any:
         """What a state saved at the end of ``epoch`` needs, to draw the next epoch's order.
@@ -375,9 +347,9 @@ class EpochSource:
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         if drawn is None:
-            drawn = self.captures.get(epoch)
+            drawn = self.orders.drawn(epoch)
         state: dict[str, Any] = {
-            "rng": {**capture_rng(self.source), "torch": self.next_draws_from(epoch)},
+            "rng": {**capture_rng(self.source), "torch": self.orders.next_draws_from(epoch)},
             "sampler_epoch": None,
             "fresh_iterator": False,
         }
@@ -388,24 +360,6 @@ class EpochSource:
             state.update(self.count.after(drawn, sampler_epoch_of(self.source)))
         return state
 
-    def next_draws_from(self, epoch: int) -> torch.Tensor:
-        """torch's global generator state as epoch ``epoch + 1``'s order finds it when drawn.
-
-        Across epochs the producer opens that epoch as soon as it reaches it, so a state saved
-        in ``epoch`` may come before or after that draw, as the threads ran: as it was when
-        that epoch was opened where it was already; as a resumed state said, where the epoch
-        follows a resumed one; else as it is now, which is what the draw finds when nothing
-        draws from it in between (a step that draws makes the order differ anyway: the README
-        asks for the loader's own ``generator=`` then).
-        """
-        with self.opening:
-            opened = self.captures.get(epoch + 1)
-            if opened is not None:
-                return opened["rng"]["torch"]  # type: ignore[no-any-return]
-            if self.follows is not None and self.follows[0] == epoch + 1:
-                return self.follows[1]
-            return torch.get_rng_state()
-
     def next_epoch(self, epoch: int) -> dict[str, Any]:
         """What a state saved inside ``epoch`` records of how the next epoch's order is drawn.
 
@@ -415,7 +369,7 @@ class EpochSource:
         """
         if self.stateful or not self.across_epochs or self.draws.in_step:
             return {}
-        return {"next_rng": self.next_draws_from(epoch)}
+        return {"next_rng": self.orders.next_draws_from(epoch)}
 
     def start_state(self) -> Any:
         """What a state saved before an epoch's first batch needs.
@@ -426,58 +380,7 @@ class EpochSource:
         """
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return self._capture()
-
-    def _opened(
-        self, epoch: int, rng: dict[str, torch.Tensor] | None = None, **fields: Any
-    ) -> None:
-        """Set the generators ``epoch``'s order is drawn from, and record them, as one step.
-
-        ``rng``: the states to draw it from (a resumed epoch); else the generators as they are,
-        except where ``epoch`` follows a resumed one whose state said how torch's finds it, and
-        nothing drew from torch's since the resumed epoch began: a step that draws makes the
-        order differ anyway, and setting the generator under it would repeat its numbers.
-        """
-        with self.opening:
-            follows, self.follows = self.follows, None
-            if rng is not None:
-                self._restore(rng)
-            elif (
-                follows is not None
-                and follows[0] == epoch
-                and torch.equal(torch.get_rng_state(), follows[2])
-            ):
-                torch.set_rng_state(follows[1])
-            self._record(epoch, {**self._capture(), **fields})
-
-    def _record(self, epoch: int, captured: dict[str, Any]) -> None:
-        """Keep what ``epoch``'s order was drawn from, and the records of the epochs before it.
-
-        A state saved in an earlier epoch may still ask for them once this epoch was opened
-        ahead (short epochs: several); those of later epochs, from an earlier pass, no longer
-        hold. A new dict each time, so that a reader in another thread sees one whole version.
-        """
-        kept = {e: c for e, c in self.captures.items() if epoch - KEPT_EPOCHS < e < epoch}
-        self.captures = {**kept, epoch: captured}
-
-    def _capture(self) -> dict[str, Any]:
-        captured: dict[str, Any] = {
-            "rng": capture_rng(self.source),
-            "sampler_epoch": sampler_epoch_of(self.source),
-            # A persistent loader's first iterator also draws its workers' base seed.
-            "fresh_iterator": live_iterator(self.source) is None,
-        }
-        if self.count is not None:
-            captured.update(self.count.drawn(captured["sampler_epoch"]))
-        return captured
-
-    def _restore(self, states: dict[str, torch.Tensor]) -> None:
-        generators = generators_of(self.source)
-        for name, state in states.items():
-            if name == "torch":
-                torch.set_rng_state(state)
-            elif name in generators:
-                generators[name].set_state(state)
+        return self.orders.capture()
 
 
 def _length(source: object) -> int | None:

@@ -34,7 +34,7 @@ RESEND_S = 0.5
 class ThreadLetGo(SystemExit):
     """Raised inside a nostall thread that is let go: at exit, or stuck past a timeout.
 
-    (See :func:`wind_down` and ``_lineage.Lineage.let_go_of_stuck``.)
+    (See :func:`wind_down` and ``_latest_producer.LatestProducer.let_go_of_stuck``.)
 
     A ``SystemExit``: a dataset's ``except Exception`` does not swallow it, and a thread it
     ends prints nothing.

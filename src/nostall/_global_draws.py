@@ -48,9 +48,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.utils.data import (
     BatchSampler,
-    DataLoader,
     DistributedSampler,
-    IterableDataset,
     RandomSampler,
     SequentialSampler,
     SubsetRandomSampler,
@@ -59,6 +57,7 @@ from torch.utils.data import (
     default_convert,
 )
 
+from ._sources import SourceKind
 from ._torch_compat import index_sampler
 from ._warn import warn
 
@@ -200,14 +199,20 @@ class DrawWatch:
           in the loop's thread.
     """
 
-    def __init__(self, source: object, *, threads: int | None = None, transform: bool = False):
-        self.source = source
+    def __init__(
+        self,
+        kind: SourceKind,
+        *,
+        threads: int | None = None,
+        transform: bool = False,
+    ):
+        self.kind = kind
         self.threads = threads
         self.transform = transform
         # Nothing to watch where no code of the user's runs per batch in this process: worker
         # processes draw from their own seeds; a list's items are made already.
-        workers = isinstance(source, DataLoader) and source.num_workers > 0
-        inert = type(source) in (list, tuple) and not transform
+        workers = kind.workers > 0
+        inert = kind.batches_known and not transform
         unwatched = getattr(_context, "unwatched", False)
         self.state = Watch.CLEAR if workers or inert or unwatched else Watch.WATCHING
         self.in_step = self.state is Watch.WATCHING
@@ -216,7 +221,7 @@ class DrawWatch:
         self._reported = False
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
         #: in it (then prefetching starts after the very first batch, as without the watch).
-        self.first_judged = _quiet_start(source)
+        self.first_judged = _quiet_start(kind)
 
     def pull(self, pull: Callable[[], M], *, first: bool) -> M:
         """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
@@ -248,7 +253,7 @@ class DrawWatch:
     def message(self) -> str:
         """What drew, what nostall does about it, what it costs, and the fix."""
         what = " and ".join(self.drew)
-        who = _who(self.source) + (", or the transform= given to nostall" if self.transform else "")
+        who = _who(self.kind) + (", or the transform= given to nostall" if self.transform else "")
         if self.threads is not None:
             done = (
                 f"so with threads={self.threads} they would draw in whatever order the threads "
@@ -284,7 +289,7 @@ class DrawWatch:
 _OWN_GENERATOR = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
-def _quiet_start(source: object) -> bool:
+def _quiet_start(kind: SourceKind) -> bool:
     """Whether the first batch of a ``source``'s epoch draws only what every batch draws.
 
     True for a plain ``DataLoader`` over a map-style dataset whose sampler draws nothing from
@@ -293,11 +298,11 @@ def _quiet_start(source: object) -> bool:
     its order from torch's at the first batch, as an iterable dataset or a generator may,
     once per epoch, where the plain loop draws it too.
     """
-    if not isinstance(source, DataLoader) or isinstance(source.dataset, IterableDataset):
+    if kind.loader is None or not kind.map_style:
         return False
-    if type(source).__iter__ is not DataLoader.__iter__:
+    if not kind.torch_iteration:
         return False
-    sampler = index_sampler(source)
+    sampler = index_sampler(kind.loader)
     if type(sampler) is BatchSampler:
         sampler = sampler.sampler
     if isinstance(sampler, (SequentialSampler, DistributedSampler)):
@@ -305,10 +310,11 @@ def _quiet_start(source: object) -> bool:
     return isinstance(sampler, _OWN_GENERATOR) and sampler.generator is not None
 
 
-def _who(source: object) -> str:
+def _who(kind: SourceKind) -> str:
     """The code that may have drawn, as the warning names it."""
-    if not isinstance(source, DataLoader):
-        return f"the source ({type(source).__qualname__})"
+    source = kind.loader
+    if source is None:
+        return f"the source ({kind.name})"
     dataset = f"the DataLoader's dataset ({type(source.dataset).__qualname__})"
     collate = source.collate_fn
     if collate in (default_collate, default_convert, None):

@@ -19,12 +19,11 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from . import _producer_thread
 from ._autodepth import auto_depth_limit
 from ._channel import BATCH, END, ERROR, Channel, Message
 from ._exceptions import (
@@ -35,10 +34,9 @@ from ._exceptions import (
     is_noted,
 )
 from ._exit import track
-from ._lineage import Lineage, check_not_forked
+from ._lineage import Lineage
 from ._producer import Puller
 from ._producer_thread import produce
-from ._samplers import readable_epoch
 from ._source_checks import describe, warn_if_hidden_from_framework
 from ._staging import CudaStaging
 from ._warn import warn
@@ -53,15 +51,16 @@ T = TypeVar("T")
 _THREAD_IDS = itertools.count()
 
 
-class Owner(Protocol[T]):
-    """What an iteration copies from the Prefetcher that starts it (and nothing more)."""
+class Owner(Protocol):
+    """What an iteration takes from the Prefetcher that starts it (and nothing more).
 
-    _source: Iterable[T]
+    The source and the device are the lineage's (``epochs.source``) and the staging's.
+    """
+
     _staging: Staging
     _lineage: Lineage
     _recorder: StallRecorder | None
     _settings: Settings
-    device: torch.device
 
 
 class Lifecycle(enum.Enum):
@@ -85,24 +84,18 @@ class PrefetchIterator(Iterator[T]):
     raises :class:`~nostall.PrefetcherClosedError` saying why).
     """
 
-    def __init__(self, owner: Owner[T]) -> None:
-        # Copies, not a reference to the owner: the owner may be dropped while this runs, and
-        # this object must be collectable on its own.
-        self._source = owner._source
+    def __init__(self, owner: Owner) -> None:
+        # Its parts, not a reference to the owner: the owner may be dropped while this runs,
+        # and this object must be collectable on its own.
+        self._settings = owner._settings  # frozen: the settings as this iteration began
         self._staging = owner._staging
         #: Asked before each batch is taken; None where there is nothing to check (off CUDA),
         #: so the CPU hand-off pays nothing for it.
         self._check_consumer = (
             self._staging.check_consumer if isinstance(self._staging, CudaStaging) else None
         )
-        settings = owner._settings
-        self._depth = settings.depth
-        self._device = owner.device
-        self._timeout = settings.timeout
         self._lineage = owner._lineage
-        self._shard = settings.shard
         self._recorder = owner._recorder
-        self._last_depth = 1 if settings.depth == "auto" else int(settings.depth)
         self._state = Lifecycle.CREATED
         self._stopped_why = ""
         self._puller: Puller | None = None
@@ -138,8 +131,8 @@ class PrefetchIterator(Iterator[T]):
             puller = self._puller
             if puller is None:
                 puller = self._start_or_end()
-            elif self._lineage.fork_generation != _producer_thread.fork_generation:
-                check_not_forked(self._lineage)
+            elif self._lineage.producer.forked():
+                self._lineage.producer.check_not_forked()
             elif self._launch_failed:
                 self._launch(puller)
             if puller.after_error and (self._lineage.epoch, self._index) >= puller.paused_at:
@@ -147,12 +140,13 @@ class PrefetchIterator(Iterator[T]):
             if self._index == puller.expected:
                 puller.ask_for_end()  # asked past the last batch: the source may now end
             draws = puller.epochs.draws
+            timeout = self._settings.timeout
             if draws.in_step:  # the source may draw from the global generators
-                puller.want(wake=self._timeout is not None)
-                message = puller.channel.get(self._index, self._timeout, self._pull_here)
+                puller.want(wake=timeout is not None)
+                message = puller.channel.get(self._index, timeout, self._pull_here)
                 draws.report()  # here: at the user's line
                 return self._take(puller, message)
-            message = puller.channel.get(self._index, self._timeout, self._pull_here)
+            message = puller.channel.get(self._index, timeout, self._pull_here)
             return self._take(puller, message)
         except KeyboardInterrupt:
             # Wherever it landed (starting the epoch, waiting, or inside the source when this
@@ -161,8 +155,9 @@ class PrefetchIterator(Iterator[T]):
             raise
         except PrefetchTimeoutError:
             puller = self._puller  # None: raised waiting for a previous producer
-            if puller is not None and self._timeout is not None:
-                self._lineage.mark_stuck(puller, self._timeout)  # see Lineage.let_go_of_stuck
+            timeout = self._settings.timeout
+            if puller is not None and timeout is not None:
+                self._lineage.producer.mark_stuck(puller, timeout)  # see let_go_of_stuck
             raise
         except (StopIteration, NostallError):
             raise
@@ -209,8 +204,7 @@ class PrefetchIterator(Iterator[T]):
         if kind is BATCH or kind is ERROR:
             self._index += 1
             if kind is ERROR:
-                lineage.at.advance(epoch, self._index, state, None)
-                lineage.handed_out_error()
+                lineage.error_handed_out(epoch, self._index, state)
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
             if self._staging.late:
@@ -220,36 +214,23 @@ class PrefetchIterator(Iterator[T]):
                     batch = self._staging.hand_out(payload)
                 except Exception:
                     # The batch failed, as one the producer failed on: counted as handed out.
-                    lineage.at.advance(epoch, self._index, state, self._staging.transform_state())
+                    lineage.advanced(epoch, self._index, state, self._staging.transform_state())
                     raise
                 # (A KeyboardInterrupt leaves the position before this batch: never seen.)
-                lineage.at.advance(epoch, self._index, state, self._staging.transform_state())
-                lineage.epochs.hand_out(hook, end=False)
+                transform_state = self._staging.transform_state()
+                lineage.handed_out(epoch, self._index, state, transform_state, hook)
                 return batch  # type: ignore[no-any-return]
-            lineage.at.advance(epoch, self._index, state, payload.transform_state)
-            lineage.epochs.hand_out(hook, end=False)
+            lineage.handed_out(epoch, self._index, state, payload.transform_state, hook)
             if self._check_consumer is None:
                 return payload.batch  # type: ignore[no-any-return]  # off CUDA: nothing to wait for
             return self._staging.hand_out(payload)  # type: ignore[no-any-return]
         if isinstance(payload, KeyboardInterrupt):
             raise payload  # from a pull in this thread: _next stops the iteration
-        self._last_depth = self._lineage.last_depth = puller.channel.depth
+        lineage.pass_ended(puller.channel.depth)
         self._puller = None
         self._state = Lifecycle.DONE
         if kind is END:
-            lineage.epochs.hand_out(hook, end=True)
-            lineage.at = lineage.at.after(epoch + 1, 0, state)
-            epochs = lineage.epochs
-            # set_epoch for the next epoch here, in the consumer's thread (unless the producer
-            # already opened it ahead): a set_epoch the user makes after this comes after ours.
-            follow = epochs.across_epochs and not puller.finished
-            puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
-            epochs.note_marks()
-            lineage.source_ended()
-            if lineage.epochs.across_epochs and not puller.finished:
-                lineage.ahead = puller  # it is already fetching the next epoch
-                if not lineage.owner_alive:
-                    lineage.discard_ahead(wait=False)
+            lineage.end_handed_out(puller, epoch, state, hook)
             raise StopIteration
         raise payload
 
@@ -266,11 +247,9 @@ class PrefetchIterator(Iterator[T]):
             return
         if self._index != puller.expected:
             return
-        lineage = self._lineage
-        epochs = lineage.epochs
         self._stop("the epoch was complete (len(source) batches) when a new iter() began")
         self._state = Lifecycle.DONE
-        lineage.at = lineage.at.after(puller.epoch + 1, 0, epochs.complete_state(puller.epoch))
+        self._lineage.epoch_complete(puller.epoch)
 
     @property
     def running(self) -> bool:
@@ -281,8 +260,11 @@ class PrefetchIterator(Iterator[T]):
     def depth(self) -> int:
         """Batches this iteration may fetch ahead (grows with ``depth="auto"``; kept at the end)."""
         if self._puller is not None:
-            self._last_depth = self._puller.channel.depth
-        return self._last_depth
+            return self._puller.channel.depth
+        if self._state is Lifecycle.CREATED or self._lineage.last_depth is None:
+            depth = self._settings.depth
+            return 1 if depth == "auto" else int(depth)
+        return self._lineage.last_depth
 
     def close(self) -> None:
         """Stop this iteration and its producer (without waiting for it); idempotent."""
@@ -290,39 +272,36 @@ class PrefetchIterator(Iterator[T]):
 
     def _start(self) -> Puller:
         lineage = self._lineage
-        if not lineage.checked_world:
-            lineage.checked_world = True
-            warn_if_hidden_from_framework(self._source, self._shard)
-        ahead, lineage.ahead = lineage.ahead, None
-        if ahead is not None and not ahead.stopped:
-            if lineage.opened_with_current_epoch(ahead):
-                self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
-                self._pull_here = ahead.pull_here
-                return ahead  # across epochs: this epoch is already being fetched
-            ahead.stop()  # its order was drawn for an epoch the sampler is no longer in
+        if lineage.first_epoch():
+            epochs = lineage.epochs
+            warn_if_hidden_from_framework(epochs.source, epochs.kind, self._settings.shard)
+        ahead = lineage.take_ahead()
+        if ahead is not None:
+            self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
+            self._pull_here = ahead.pull_here
+            return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
-        lineage.wait_for_previous_producer(self._timeout)
+        lineage.producer.wait_ended(self._settings.timeout)
         # (An iteration stopped just after its producer opened the next epoch ahead leaves the
         # sampler at that epoch; that reads as an outside set_epoch, and is followed: a user who
         # set the same epoch on the sampler cannot be told apart, and must not get the old one.)
-        outside = self._follow_outside_set_epoch()
+        outside = lineage.follow_outside_set_epoch()
         forward = lineage.epochs.across_epochs and not outside
-        if lineage.pending_transform_state is not None:
-            self._staging.transform.load_state_dict(  # type: ignore[union-attr]
-                lineage.pending_transform_state
-            )
-            lineage.pending_transform_state = None
+        pending = lineage.take_pending_transform_state()
+        if pending is not None:
+            self._staging.transform.load_state_dict(pending)  # type: ignore[union-attr]
         epochs = lineage.epochs
-        auto = self._depth == "auto"
+        depth = self._settings.depth
+        auto = depth == "auto"
         channel = Channel(
-            1 if auto else int(self._depth),
-            describe(self._source),
+            1 if auto else int(depth),
+            describe(epochs.source),
             max_depth=1 if auto else None,  # grows once the first batch shows its size
         )
         puller = Puller(channel, self._staging, epochs, epoch=lineage.epoch)
         if auto:
-            device = self._device  # not self: the puller must not keep this iteration alive
+            device = self._staging.device  # not self: the puller must not keep this alive
             puller.on_first_batch = lambda staged: channel.limit_growth(
                 auto_depth_limit(staged.batch, device)
             )
@@ -333,7 +312,7 @@ class PrefetchIterator(Iterator[T]):
             return puller
         if lineage.exhausted:
             warn(
-                f"nostall: the source {describe(self._source)} is a one-shot iterator that is "
+                f"nostall: the source {describe(epochs.source)} is a one-shot iterator that is "
                 f"exhausted, so this epoch is empty; pass a re-iterable source (a DataLoader, a "
                 f"list, or an object whose __iter__ returns a new iterator) to iterate again",
                 UserWarning,
@@ -374,7 +353,7 @@ class PrefetchIterator(Iterator[T]):
             raise
         self._launch_failed = False
         puller.channel.thread = thread
-        self._lineage.thread = thread
+        self._lineage.producer.started(thread)
 
     def _go_on_after_error(self, puller: Puller) -> None:
         """The loop caught an error in one batch and asks for the next: resume producing.
@@ -390,29 +369,13 @@ class PrefetchIterator(Iterator[T]):
         if not puller.finished and not puller.stopped:
             self._launch(puller)
 
-    def _follow_outside_set_epoch(self) -> bool:
-        """Before a fresh epoch opens: adopt an epoch set on the sampler by someone else.
-
-        Returns whether someone else set it: an outside ``set_epoch`` (Lightning calls it on
-        ``loader.sampler``) wins over nostall's own count, and the prefetcher's epoch count
-        follows it where the sampler shows its epoch.
-        """
-        lineage = self._lineage
-        epochs = lineage.epochs
-        if not epochs.marks_moved():
-            return False
-        outside = readable_epoch(self._source)
-        if outside is not None and outside != lineage.epoch:
-            lineage.move_to_epoch(outside, f"the sampler was set to epoch {outside}")
-        return True
-
     def _stop(self, why: str) -> None:
         if self._state in (Lifecycle.DONE, Lifecycle.STOPPED):
             return
         self._state = Lifecycle.STOPPED
         self._stopped_why = why
         if self._puller is not None:
-            self._last_depth = self._lineage.last_depth = self._puller.channel.depth
+            self._lineage.pass_ended(self._puller.channel.depth)
             self._puller.stop(why)
             self._puller = None
 
@@ -421,5 +384,5 @@ class PrefetchIterator(Iterator[T]):
         # signals, never joins, since a finaliser must not block.
         puller = self.__dict__.get("_puller")
         if puller is not None:
-            self._lineage.last_depth = puller.channel.depth
+            self._lineage.pass_ended(puller.channel.depth)
             puller.stop()

@@ -9,16 +9,15 @@ and the latest producer thread (two must never pull from one source).
 from __future__ import annotations
 
 import inspect
-import threading
 import weakref
 from typing import Any, Protocol
 
-from . import _exit, _producer_thread, _stacks
-from ._channel import BATCH, POLL_S, Channel
+from ._channel import BATCH, Channel
 from ._epochs import EpochSource
-from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
+from ._latest_producer import LatestProducer
 from ._producer import Puller
 from ._resume import Position
+from ._samplers import readable_epoch
 from ._warn import warn
 
 
@@ -40,50 +39,177 @@ class Lineage:
     """What consecutive iterations of one Prefetcher share and hand on to each other.
 
     Holds no reference to the Prefetcher (only weak ones to its iterations), so that a
-    finaliser can use it after the Prefetcher is gone.
+    finaliser can use it after the Prefetcher is gone. Its fields are its own: the prefetcher
+    and the iterations tell it what happened through its verbs (a batch handed out, an epoch
+    ended or complete, a state loaded, an epoch set, a producer started, closed).
 
     Invariants:
         * ``at`` only moves when the user receives something (a batch, one batch's error, an
           epoch's end, or a new ``iter()`` after all ``len(source)`` batches), sets an epoch,
           or loads a state: never when a batch is fetched ahead.
-        * At most one producer pulls from the source: a new one starts after ``thread`` ended,
-          or is ``ahead`` itself.
+        * At most one producer pulls from the source: a new one starts after the latest
+          (``thread``) ended, or is the one ``ahead`` itself.
+        * A one-shot source's batches fetched by a stopped pass and not handed out are handed
+          out by the next pass, before anything new is pulled.
     """
 
-    def __init__(self, one_shot: bool, epochs: EpochSource, transform_state: Any) -> None:
-        self.one_shot = one_shot  # the source is its own iterator (a generator, say)
+    def __init__(self, epochs: EpochSource, transform_state: Any) -> None:
         self.epochs = epochs
-        #: Where the consumer is, and what a state saved now holds.
-        self.at = Position.start(0, transform_state)
-        self.thread: threading.Thread | None = None  # the latest producer
+        self._at = Position.start(0, transform_state)
+        #: The latest producer thread: one pulls from the source at a time.
+        self.producer = LatestProducer(epochs)
         #: A one-shot source's latest puller: what it fetched and nobody took is carried over.
-        self.carried: Puller | None = None
+        self._carried: Puller | None = None
         #: Across epochs, the puller already fetching ``epoch`` between iterations.
-        self.ahead: Puller | None = None
-        self.exhausted = False  # a one-shot source has ended
+        self._ahead: Puller | None = None
+        self._exhausted = False  # a one-shot source has ended
         #: The depth the latest pass used when it ended (grown, with ``depth="auto"``).
-        self.last_depth: int | None = None
-        self.active: weakref.ref[Iteration] | None = None
-        self.owner_alive = True
+        self._last_depth: int | None = None
+        self._active: weakref.ref[Iteration] | None = None
+        self._owner_alive = True
         #: A transform state loaded, to set when the next producer starts (not before: the
         #: previous producer may still be transforming a batch).
-        self.pending_transform_state: Any = None
-        #: ``_producer_thread.fork_generation`` when built: producers do not survive fork().
-        self.fork_generation = _producer_thread.fork_generation
+        self._pending_transform_state: Any = None
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
-        self.checked_world = False
-        #: A puller a ``timeout`` was raised on, with its (epoch, pulled) then and the timeout:
-        #: stuck in the source while those have not moved (see :meth:`stuck_producer`).
-        self.stuck: tuple[weakref.ref[Puller], tuple[int, int], float] | None = None
+        self._checked_world = False
+
+    @property
+    def at(self) -> Position:
+        """Where the consumer is, and what a state saved now holds."""
+        return self._at
 
     @property
     def epoch(self) -> int:
         """The epoch the next (or current) iteration yields."""
-        return self.at.epoch
+        return self._at.epoch
+
+    @property
+    def last_depth(self) -> int | None:
+        """The depth the latest pass ended with (None before any ended)."""
+        return self._last_depth
+
+    @property
+    def exhausted(self) -> bool:
+        """A one-shot source has ended: it yields nothing more."""
+        return self._exhausted
 
     def active_iteration(self) -> Iteration | None:
         """The latest iteration, while it exists (a ``PrefetchIterator``), else None."""
-        return self.active() if self.active is not None else None
+        return self._active() if self._active is not None else None
+
+    def began(self, iteration: Iteration) -> None:
+        """``iter()`` made ``iteration``, the latest."""
+        self._active = weakref.ref(iteration)
+
+    def first_epoch(self) -> bool:
+        """True the first time it is asked: the first epoch is starting."""
+        first, self._checked_world = not self._checked_world, True
+        return first
+
+    def ahead_in(self, epoch: int) -> bool:
+        """Whether a producer already runs ahead in ``epoch`` (the next iteration's)."""
+        return self._ahead is not None and epoch == self.epoch
+
+    def take_ahead(self) -> Puller | None:
+        """The puller already fetching this epoch, if its order is still the sampler's.
+
+        One opened for an epoch the sampler is no longer in is stopped (see
+        :meth:`opened_with_current_epoch`).
+        """
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.stopped:
+            return None
+        if self.opened_with_current_epoch(ahead):
+            return ahead
+        ahead.stop()  # its order was drawn for an epoch the sampler is no longer in
+        return None
+
+    def take_pending_transform_state(self) -> Any:
+        """The transform state loaded for the next producer to set (once), or None."""
+        state, self._pending_transform_state = self._pending_transform_state, None
+        return state
+
+    def pass_ended(self, depth: int) -> None:
+        """A pass ended or stopped with its channel at ``depth`` (kept for the next)."""
+        self._last_depth = depth
+
+    def advanced(self, epoch: int, index: int, state: Any, transform_state: Any) -> None:
+        """The ``index``-th batch of ``epoch`` reached the user (or failed in the hand-out)."""
+        self._at.advance(epoch, index, state, transform_state)
+
+    def handed_out(
+        self, epoch: int, index: int, state: Any, transform_state: Any, hook: Any
+    ) -> None:
+        """A batch was handed out: the position moves, and its pull's effects are replayed."""
+        self._at.advance(epoch, index, state, transform_state)
+        self.epochs.hand_out(hook, end=False)
+
+    def error_handed_out(self, epoch: int, index: int, state: Any) -> None:
+        """One batch's error was handed out: counted, and a generator it ended is exhausted.
+
+        A generator that raised is closed: it can yield nothing more. The next pass then says
+        so, as for a generator that ended normally, instead of yielding nothing silently. A
+        one-shot source of another kind may go on after its error (the next pass pulls on).
+        """
+        self._at.advance(epoch, index, state, None)
+        source = self.epochs.source
+        if (
+            self.epochs.kind.one_shot
+            and inspect.isgenerator(source)
+            and inspect.getgeneratorstate(source) == inspect.GEN_CLOSED
+        ):
+            self._exhausted = True
+
+    def end_handed_out(self, puller: Puller, epoch: int, state: Any, hook: Any) -> None:
+        """``epoch``'s end was handed out: the next epoch begins, perhaps already fetched.
+
+        Across epochs the next epoch's ``set_epoch`` is called here, in the consumer's thread
+        (unless the producer already opened it ahead): a ``set_epoch`` the user makes after
+        this comes after nostall's.
+        """
+        epochs = self.epochs
+        epochs.hand_out(hook, end=True)
+        self._at = self._at.after(epoch + 1, 0, state)
+        follow = epochs.across_epochs and not puller.finished
+        puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
+        epochs.note_marks()
+        if epochs.kind.one_shot:
+            self._exhausted = True
+        if follow:
+            self._ahead = puller  # it is already fetching the next epoch
+            if not self._owner_alive:
+                self.discard_ahead(wait=False)
+
+    def epoch_complete(self, epoch: int) -> None:
+        """``epoch`` counts complete: its ``len()`` batches were handed out, its end not asked."""
+        self._at = self._at.after(epoch + 1, 0, self.epochs.complete_state(epoch))
+
+    def loaded(self, at: Position, state: dict[str, Any], transform: bool) -> None:
+        """A checked state was loaded: the position is ``at``, the next epoch opens from it.
+
+        What runs ahead is dropped; the transform's state (``transform``: the state holds one
+        and there is a transform) is set when the next producer starts.
+        """
+        self.discard_ahead()
+        self._at = at
+        self.epochs.load(state)
+        self.epochs.note_marks()  # as the state left them: not set by someone else
+        if transform:
+            self._pending_transform_state = at.transform_state
+
+    def switch_source(self, source: Any, timeout: float | None) -> None:
+        """From the next epoch on, read ``source`` (a sharded copy) at the current epoch.
+
+        What was opened ahead is dropped, and the previous producer, which may still be inside
+        the old source's ``__next__``, is waited for: nothing reads the source it replaces.
+        """
+        self.discard_ahead()
+        self.producer.wait_ended(timeout)
+        epochs = self.epochs
+        epochs.use_source(source)
+        epochs.forward_epoch(self.epoch)
+        epochs.note_marks()  # set by nostall: not an outside set_epoch
+        self._at = self._at.moved_to(self.epoch, keep_source_state=False, keep_loaded=False)
 
     def move_to_epoch(self, epoch: int, who: str) -> None:
         """The epoch was set to ``epoch`` by ``who``: the position moves there.
@@ -101,11 +227,25 @@ class Lineage:
                 UserWarning,
             )
             self.epochs.resume, dropped = None, True
-        at = self.at
+        at = self._at
         # Another epoch, or this one not begun: a state saved now must hold what was done to
         # the sampler, which only a fresh start state reads.
         begun = at.epoch == epoch and at.handed_out > 0 and at.loaded is None
-        self.at = at.moved_to(epoch, keep_source_state=begun, keep_loaded=not dropped)
+        self._at = at.moved_to(epoch, keep_source_state=begun, keep_loaded=not dropped)
+
+    def follow_outside_set_epoch(self) -> bool:
+        """Before a fresh epoch opens: adopt an epoch set on the sampler by someone else.
+
+        Returns whether someone else set it: an outside ``set_epoch`` (Lightning calls it on
+        ``loader.sampler``) wins over nostall's own count, and the prefetcher's epoch count
+        follows it where the sampler shows its epoch.
+        """
+        if not self.epochs.marks_moved():
+            return False
+        outside = readable_epoch(self.epochs.source)
+        if outside is not None and outside != self.epoch:
+            self.move_to_epoch(outside, f"the sampler was set to epoch {outside}")
+        return True
 
     def opened_with_current_epoch(self, ahead: Puller) -> bool:
         """Whether the epoch a producer opened ahead still matches the sampler's epoch.
@@ -122,130 +262,12 @@ class Lineage:
             drawn = ahead.marks.get(self.epoch)
             return drawn is None or drawn == current
 
-    def wait_for_previous_producer(self, timeout: float | None) -> None:
-        """Return once the latest producer ended: two threads must never pull from one source.
-
-        Except a producer a ``timeout`` was raised on (stuck in the source): it is let go
-        (:meth:`let_go_of_stuck`), and, if it is still stuck after ``timeout`` and each epoch
-        of the source is independent of the previous one, the new iteration starts without
-        it, as a DataLoader starts new workers after a timeout (a warning says so).
-
-        Raises:
-            PrefetchTimeoutError: it is still inside ``next(source)`` after ``timeout`` s (the
-                lineage is left as it was, so that the caller may try again).
-        """
-        previous = self.thread
-        if previous is None:
-            return
-        stuck = self.let_go_of_stuck()
-        waited = 0.0
-        while previous.is_alive():
-            if timeout is not None and waited >= timeout:
-                where = _stacks.stuck_at(previous)
-                at = f" ({where})" if str(where) else ""
-                independent = self.epochs.independent_epochs()
-                if stuck and independent:
-                    warn(
-                        f"nostall: the producer thread {previous.name!r} is still inside the "
-                        f"previous epoch's source{at} after timeout={timeout} s; this epoch "
-                        f"starts from a new iterator without it, as a DataLoader starts new "
-                        f"workers after a timeout. That thread ends when the call returns, "
-                        f"and what it loads is dropped",
-                        RuntimeWarning,
-                    )
-                    self.thread = None
-                    return
-                if not stuck:
-                    fix = "; raise timeout= if the source is slow but alive"
-                else:  # stuck in the dataset's own code, in nostall's thread
-                    fix = (
-                        "; it runs the dataset's own code in nostall's thread, which cannot be "
-                        "stopped, and another epoch beside it could share state it was not "
-                        "built to share. To go on without a stuck sample at the next epoch, as "
-                        "a DataLoader does, load with worker processes (DataLoader(num_workers="
-                        "N), not persistent) or with nostall.prefetch(..., threads=N)"
-                    )
-                raise PrefetchTimeoutError(
-                    f"the previous iteration's producer thread {previous.name!r} is still inside "
-                    f"next(source){at} after timeout={timeout} s; a new iteration cannot start "
-                    f"until it returns, since two threads must not pull from one source" + fix,
-                    timeout=timeout,
-                    phase="inside next(source) for the previous iteration",
-                    thread=previous.name,
-                )
-            previous.join(POLL_S)
-            waited += POLL_S
-
-    def mark_stuck(self, puller: Puller, timeout: float) -> None:
-        """A ``timeout`` was raised waiting on ``puller``'s producer: it may be stuck."""
-        self.stuck = (weakref.ref(puller), (puller.epoch, puller.pulled), timeout)
-
-    def stuck_producer(self) -> tuple[threading.Thread, float] | None:
-        """The latest producer and the timeout, if a timeout marked it and it has not moved.
-
-        Stuck: still alive, still inside ``next(source)``, at the batch it was at when the
-        timeout was raised. One that went on since is not stuck (the mark is dropped).
-        """
-        mark, thread = self.stuck, self.thread
-        if mark is None:
-            return None
-        ref, at, timeout = mark
-        puller = ref()
-        if (
-            puller is None
-            or thread is None
-            or puller.channel.thread is not thread
-            or not thread.is_alive()
-            or (puller.epoch, puller.pulled) != at
-            or not puller.phase.startswith("next(source)")
-        ):
-            self.stuck = None
-            return None
-        return thread, timeout
-
-    def let_go_of_stuck(self) -> bool:
-        """Whether the latest producer is stuck (see :meth:`stuck_producer`); if so, let it go.
-
-        Where each epoch is independent of the last (``EpochSource.independent_epochs``), it
-        is interrupted at its next Python step (a call stuck in C: when it returns), dropping
-        what it loads, and loading threads stuck as long are counted no more. Elsewhere the
-        stuck call is the dataset's own, and is left alone.
-        """
-        stuck = self.stuck_producer()
-        if stuck is None:
-            return False
-        thread, timeout = stuck
-        if self.epochs.independent_epochs():
-            _exit.interrupt(thread)
-            self.epochs.let_go_of_loading(timeout)
-        return True
-
-    def handed_out_error(self) -> None:
-        """One batch's error was handed out: a generator it ended is exhausted, as at its end.
-
-        A generator that raised is closed: it can yield nothing more. The next pass then says
-        so, as for a generator that ended normally, instead of yielding nothing silently. A
-        one-shot source of another kind may go on after its error (the next pass pulls on).
-        """
-        source = self.epochs.source
-        if (
-            self.one_shot
-            and inspect.isgenerator(source)
-            and inspect.getgeneratorstate(source) == inspect.GEN_CLOSED
-        ):
-            self.exhausted = True
-
-    def source_ended(self) -> None:
-        """The source's end was handed out: a one-shot source is exhausted."""
-        if self.one_shot:
-            self.exhausted = True
-
     def carry(self, puller: Puller) -> None:
         """A new pass starts with ``puller``; a one-shot source's is carried over.
 
         What it fetched and nobody took goes to the next pass (see :meth:`carry_over`).
         """
-        self.carried = puller if self.one_shot else None
+        self._carried = puller if self.epochs.kind.one_shot else None
 
     def carry_over(self, channel: Channel) -> bool:
         """Move batches a stopped pass of a one-shot source fetched and nobody took to ``channel``.
@@ -253,7 +275,7 @@ class Lineage:
         Returns True when the carried messages include the end of the source or its error, so
         that no producer is needed.
         """
-        previous, self.carried = self.carried, None
+        previous, self._carried = self._carried, None
         if previous is None:
             return False
         for message in previous.channel.drain():
@@ -269,26 +291,30 @@ class Lineage:
         which may be opening an epoch and calling ``set_epoch``, has finished), so that the
         caller may change the source's epoch or state itself.
         """
-        ahead, self.ahead = self.ahead, None
+        ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.stop()
             if wait:
                 ahead.wait_idle()
 
+    def close(self) -> None:
+        """The Prefetcher was closed: stop the latest pass and its producer thread.
+
+        Waits a while for a producer inside the source's ``__next__`` (see
+        :meth:`LatestProducer.join_at_close`).
+        """
+        active = self.active_iteration()
+        if active is not None:
+            active._stop("the Prefetcher was closed")
+        self._active = None
+        self.discard_ahead()
+        self.producer.join_at_close()
+        self._carried = None
+
     @staticmethod
     def owner_gone(lineage: Lineage) -> None:
         """The Prefetcher was collected: nobody can start another iteration."""
-        lineage.owner_alive = False
+        lineage._owner_alive = False
         active = lineage.active_iteration()
         if active is None or not active.running:
             lineage.discard_ahead(wait=False)  # a finaliser must not block
-
-
-def check_not_forked(lineage: Lineage) -> None:
-    """Refuse to go on in a child process: the producer thread did not survive fork()."""
-    if lineage.fork_generation != _producer_thread.fork_generation and lineage.thread is not None:
-        raise PrefetcherClosedError(
-            "this Prefetcher was started in the parent of this process, and its producer "
-            "thread did not survive fork(): create the prefetcher (or call nostall.prefetch "
-            "again) in the process that iterates it, or use the 'spawn' start method"
-        )

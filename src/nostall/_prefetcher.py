@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, Literal, TypeVar
 
 from . import _arguments as check
-from ._accelerate import (
-    ShardMirror,
-    is_prepared_shard,
-    route_skip_first_batches,
-)
+from ._accelerate import route_skip_first_batches
 from ._device import DeviceLike, resolve_data_device
 from ._epochs import EpochSource
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._fabric import fabric_device
 from ._iteration import PrefetchIterator
-from ._lineage import Lineage, check_not_forked
-from ._producer_thread import join_quietly
+from ._lineage import Lineage
+from ._loader_attributes import LoaderAttributes
 from ._profile import StallRecorder, StallReport
 from ._resume import loaded_position, state_of
 from ._samplers import forward_set_epoch as _forward_set_epoch
@@ -31,17 +27,9 @@ from ._source_checks import (
     warn_about_epochs,
     warn_inexact_resume,
 )
-from ._stacks import stuck_at
 from ._staging import Staging, staging_for
-from ._warn import warn
 
 T = TypeVar("T")
-
-#: How long close() waits for a producer that is inside the source's __next__ (seconds).
-CLOSE_JOIN_S = 5.0
-
-#: How long ``close()`` waits for a producer stuck past a timeout, once interrupted (seconds).
-STUCK_JOIN_S = 0.5
 
 
 def prefetch(
@@ -101,17 +89,6 @@ def prefetch(
     )
 
 
-#: The prefetcher's own attributes; any other name the source has is set on the source (a
-#: framework's ``loader._iterator = None`` after shutting its workers down reaches the loader).
-#: ``timeout`` and ``pin_memory`` are not among them: a DataLoader has both, and a framework that
-#: rebuilds a loader from the prefetcher's attributes (accelerate's ``skip_first_batches``) must
-#: read the loader's values, so the prefetcher keeps its own as ``_timeout`` and ``_pin_memory``.
-_OWN_ATTRIBUTES = frozenset(
-    {"device", "_settings", "_pin_memory", "_source", "_staging", "_lineage", "_recorder"}
-    | {"_closed"}
-)
-
-
 def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> Prefetcher[T]:
     """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``.
 
@@ -128,7 +105,7 @@ def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> 
     return skipping
 
 
-class Prefetcher(Generic[T]):
+class Prefetcher(LoaderAttributes, Generic[T]):
     """An iterable over ``source``'s batches, fetched ahead in a thread and moved to ``device``.
 
     Concurrency invariants:
@@ -199,27 +176,22 @@ class Prefetcher(Generic[T]):
         self.device = resolve_data_device(fabric_device(source) if device is None else device)
         self._pin_memory = (pin_memory is not False) if self.device.type == "cuda" else False
         self._staging: Staging = staging_for(self.device, self._pin_memory, transform)
-        mirror = ShardMirror(source) if is_prepared_shard(source) else None
-        refuse_unsupported(source, across_epochs, mirror)
-        self._lineage = Lineage(
-            isinstance(source, Iterator),
-            EpochSource(
-                source,
-                across_epochs,
-                mirror,
-                threads,
-                self._staging.source_context,
-                transform=transform is not None,
-            ),
-            self._staging.transform_state(),
+        epochs = EpochSource(
+            source,
+            across_epochs,
+            threads,
+            self._staging.source_context,
+            transform=transform is not None,
         )
+        refuse_unsupported(epochs.kind, across_epochs)
+        self._lineage = Lineage(epochs, self._staging.transform_state())
         self._recorder = StallRecorder(self.device) if profile else None
         self._closed = False
         # Across epochs the producer outlives each iteration; once nobody can start the next
         # one, stop it (the finaliser holds the lineage only, never the prefetcher).
         weakref.finalize(self, Lineage.owner_gone, self._lineage)
         if across_epochs:
-            warn_about_epochs(source)
+            warn_about_epochs(source, epochs.kind)
         route_skip_first_batches(Prefetcher, _skipping)
 
     @property
@@ -272,16 +244,11 @@ class Prefetcher(Generic[T]):
         sharded = sharded_copy(self._source)
         if sharded is None:
             return
-        lineage.discard_ahead()
-        # The previous epoch's producer may still be inside the loader's __next__ (a stopped
-        # pass): once it let go, nothing reads the source the copy replaces.
-        lineage.wait_for_previous_producer(self._settings.timeout)
+        lineage.switch_source(sharded, self._settings.timeout)
         object.__setattr__(self, "_source", sharded)
-        epochs = lineage.epochs
-        epochs.source = sharded
-        _forward_set_epoch(sharded, lineage.epoch)
-        epochs.note_marks()  # set by nostall: not an outside set_epoch
-        lineage.at = lineage.at.moved_to(lineage.epoch, keep_source_state=False, keep_loaded=False)
+
+    def _source_attribute_set(self) -> None:
+        self._lineage.discard_ahead()  # an epoch opened ahead with the old value is dropped
 
     @property
     def closed(self) -> bool:
@@ -315,7 +282,7 @@ class Prefetcher(Generic[T]):
                 "this Prefetcher was closed; create a new one with nostall.prefetch(source) to "
                 "iterate again"
             )
-        check_not_forked(self._lineage)
+        self._lineage.producer.check_not_forked()
         lineage = self._lineage
         previous = lineage.active_iteration()
         if previous is not None:
@@ -323,41 +290,8 @@ class Prefetcher(Generic[T]):
             previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
         self._resolve_shard()  # once the previous epoch ended: never mid-epoch
         iteration: PrefetchIterator[T] = PrefetchIterator(self)
-        lineage.active = weakref.ref(iteration)
+        lineage.began(iteration)
         return iteration
-
-    def __len__(self) -> int:
-        self._resolve_shard()
-        return len(self._source)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names not found on the Prefetcher: forward them to the source, as a
-        # drop-in replacement for a DataLoader must (dataset, sampler, batch_size, ...).
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        if "_source" not in self.__dict__:
-            raise AttributeError(name)
-        self._resolve_shard()
-        return getattr(self.__dict__["_source"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # A loader attribute set on the prefetcher must not shadow the loader's own value while
-        # batches keep coming from the loader: it is set on the loader (which may refuse, as a
-        # DataLoader refuses batch_size), and an epoch opened ahead with the old value is
-        # dropped. The prefetcher's own attributes, and new names, stay on the prefetcher.
-        source = self.__dict__.get("_source")
-        if (
-            source is None
-            or name.startswith("__")
-            or name in _OWN_ATTRIBUTES
-            or name in self.__dict__
-            or hasattr(type(self), name)
-            or not hasattr(source, name)
-        ):
-            object.__setattr__(self, name, value)
-            return
-        setattr(source, name, value)
-        self._lineage.discard_ahead()
 
     def report(self, *, all_ranks: bool = False) -> StallReport:
         """How long the loop waited for batches so far (needs ``profile=True``).
@@ -386,7 +320,7 @@ class Prefetcher(Generic[T]):
         if epoch < 0:
             raise ValueError(f"set_epoch(epoch) takes an int >= 0 (got epoch={epoch})")
         lineage = self._lineage
-        if lineage.ahead is not None and epoch == lineage.epoch:
+        if lineage.ahead_in(epoch):
             return  # the producer already started this epoch, with set_epoch(epoch)
         lineage.discard_ahead()
         lineage.move_to_epoch(epoch, f"set_epoch({epoch})")
@@ -416,43 +350,24 @@ class Prefetcher(Generic[T]):
         lineage = self._lineage
         self._resolve_shard()
         at = loaded_position(state, lineage.epochs, self._staging.transform, lineage.at)
-        warn_inexact_resume(self._source, at.epoch, at.handed_out, lineage.epochs.stateful)
+        epochs = lineage.epochs
+        warn_inexact_resume(self._source, epochs.kind, at.epoch, at.handed_out, epochs.stateful)
         active = lineage.active_iteration()
         if active is not None:
             active._stop("load_state_dict() was called on the Prefetcher")
-        lineage.discard_ahead()
-        lineage.at = at
-        lineage.epochs.load(state)  # checked by loaded_position
-        lineage.epochs.note_marks()  # as the state left them: not set by someone else
-        if state.get("transform") is not None and self._staging.transform is not None:
-            lineage.pending_transform_state = at.transform_state
+        transform = state.get("transform") is not None and self._staging.transform is not None
+        lineage.loaded(at, state, transform)  # checked by loaded_position
 
     def close(self) -> None:
         """Stop the current iteration and its producer thread; idempotent.
 
-        Waits up to ``CLOSE_JOIN_S`` seconds for a producer that is inside the source's
+        Waits up to ``_lineage.CLOSE_JOIN_S`` seconds for a producer that is inside the source's
         ``__next__`` (not at all while the interpreter is finalising).
         """
         if self._closed:
             return
         self._closed = True
-        lineage = self._lineage
-        active = lineage.active_iteration()
-        if active is not None:
-            active._stop("the Prefetcher was closed")
-        lineage.active = None
-        lineage.discard_ahead()
-        # A producer stuck past a timeout is interrupted, and not waited for as long.
-        wait = STUCK_JOIN_S if lineage.let_go_of_stuck() else CLOSE_JOIN_S
-        if not join_quietly(lineage.thread, wait) and lineage.thread is not None:
-            where = stuck_at(lineage.thread)
-            at = f" ({where})" if str(where) else ""
-            warn(
-                f"nostall: producer thread {lineage.thread.name!r} is still inside the source's "
-                f"__next__{at} after close() waited {wait:g} s; it will end when that returns",
-                RuntimeWarning,
-            )
-        lineage.carried = None
+        self._lineage.close()
 
     def __enter__(self) -> Prefetcher[T]:
         return self

@@ -46,12 +46,12 @@ class Puller:
           the next batch (``after_error``, ``paused_at``): then the same iterator is asked for
           the following one, as a DataLoader's iterator is when the loop catches the error and
           goes on. A loop that stops at the error leaves nothing running.
-        * A source with a length is not asked for anything past its ``expected`` batches
-          until the consumer asks for it (``may_pull_end``): frameworks (Lightning) take
+        * A source with a length is not asked for what follows its ``expected``-th batch
+          until the consumer asks for it (:meth:`ask_for_end`): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
-          has effects (a ``RandomSampler`` draws once more from the loader's generator). An
-          epoch resumed past them (``len()`` was an estimate) was asked for by the run that
-          saved it.
+          has effects (a ``RandomSampler`` draws once more from the loader's generator). Past
+          that point (``len()`` was an estimate, or an epoch resumed there) the consumer has
+          asked already, in this run or the one that saved the state.
         * Across epochs, the next epoch is opened (``set_epoch`` called, its order drawn) only
           once the consumer has taken the epoch's end (``taken_end``); until then it may still
           stop early, and a framework may still set the sampler's epoch itself. The consumer
@@ -99,8 +99,6 @@ class Puller:
         #: (epoch, messages up to and including the failed batch): the consumer asks for what
         #: follows the error only once it handed out that many.
         self.paused_at = (epoch, 0)
-        #: Set when the consumer asked for what follows the epoch's ``expected`` batches.
-        self.may_pull_end = threading.Event()
         #: Serialises who calls ``set_epoch`` for the next epoch: the producer opening it
         #: ahead, or the consumer taking the end.
         self.open_lock = threading.Lock()
@@ -124,10 +122,6 @@ class Puller:
             self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
         self.untouched = True
         self.expected = self.epochs.length()
-        if self.expected is not None and self.pulled > self.expected:
-            # Resumed past len() batches (where len() is an estimate): the run that saved the
-            # state asked for what follows them, and the consumer asks only at len() itself.
-            self.may_pull_end.set()
 
     # -- either thread, holding pull_lock ------------------------------------------------------
 
@@ -177,7 +171,6 @@ class Puller:
                 batch = next(self.batches)
         except StopIteration:
             self.batches = None
-            self.may_pull_end.clear()  # served; the next epoch's end waits for its own request
             if epoch not in self.marks:
                 self._mark_drawn(epoch)
             if epochs.across_epochs:
@@ -273,8 +266,9 @@ class Puller:
             return True
         if self.batches is None:  # the next epoch
             return self.taken_end >= self.epoch - 1
-        expected = self.expected
-        return not (expected and self.pulled >= expected) or self.may_pull_end.is_set()
+        # At the epoch's len() the end waits for the consumer's request (``asks_for_end``,
+        # above); past it, it was asked for (see the class invariants).
+        return not self.expected or self.pulled != self.expected
 
     def wait_at_gate(self) -> bool:
         """Wait until the next pull may happen; False once the channel was let go."""
@@ -319,7 +313,6 @@ class Puller:
     def ask_for_end(self) -> None:
         """The consumer asks for what follows the epoch's last batch."""
         self.asks_for_end = True
-        self.may_pull_end.set()
         self.channel.wake.set()
 
     def took_end(self, epoch: int, next_epoch: Callable[[], None] | None) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._accelerate import is_prepared_shard
+from ._sources import classify
 
 
 def set_epoch_targets(source: object) -> list[object]:
@@ -99,7 +99,7 @@ def readable_epoch(source: object) -> int | None:
 def has_unreadable_set_epoch(source: object) -> bool:
     """True when ``set_epoch`` reaches an object that keeps no readable ``epoch`` attribute."""
     targets = set_epoch_targets(source)
-    if is_prepared_shard(source):
+    if classify(source).accelerate_shard:
         targets = targets[1:]  # accelerate's shard only passes set_epoch on to these
     return not epoch_marks(source) and any(callable(getattr(t, "set_epoch", None)) for t in targets)
 

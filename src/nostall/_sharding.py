@@ -17,11 +17,11 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
-    IterableDataset,
     RandomSampler,
     SequentialSampler,
 )
 
+from ._sources import classify
 from ._torch_compat import copy_loader
 
 
@@ -40,7 +40,8 @@ def is_sharded(loader: object) -> bool:
     sampler or sampler that knows its ranks (accelerate's ``BatchSamplerShard`` has
     ``num_processes``), or an iterable dataset, which must split itself.
     """
-    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+    kind = classify(loader)
+    if kind.loader is not None and not kind.map_style:
         return True
     batch_sampler = getattr(loader, "batch_sampler", None)
     for part in (
@@ -58,13 +59,15 @@ def is_sharded(loader: object) -> bool:
 
 def check_shardable(loader: object) -> None:
     """Refuse, at construction, a source that ``shard=True`` cannot split."""
-    if not (isinstance(loader, DataLoader) and issubclass(type(loader), DataLoader)):
+    kind = classify(loader)
+    if kind.loader is None or not kind.dataloader_type:
         raise TypeError(
             f"shard=True splits a torch.utils.data.DataLoader between ranks (got a "
             f"{type(loader).__qualname__}); give that loader a DistributedSampler yourself, or "
             f"pass shard=False"
         )
-    if isinstance(loader.dataset, IterableDataset):
+    loader = kind.loader
+    if not kind.map_style:
         raise ValueError(
             "shard=True cannot split an IterableDataset between ranks: each rank must read its "
             "own part inside the dataset (see torch.utils.data.get_worker_info and "

@@ -6,9 +6,10 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from ._fabric import fabric_inner_loader, fabric_over
+from ._fabric import fabric_over
+from ._sources import classify
 from ._torch_compat import copy_loader
 
 
@@ -40,10 +41,11 @@ def skip_ahead(
     pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
     :class:`~nostall._threads.ThreadedEpoch`).
     """
+    kind = classify(source)
     clone = _skipping_copy(source, count)
     if clone is not None:
         return iterate(clone, count)
-    inner = fabric_inner_loader(source)
+    inner = kind.inner if kind.loader is None else None  # Fabric's loader over a DataLoader
     if inner is not None:
         clone = _skipping_copy(inner, count)
         if clone is not None:
@@ -61,20 +63,10 @@ def skip_ahead(
 
 def _skipping_copy(source: object, count: int) -> DataLoader[Any] | None:
     """A copy of a map-style ``DataLoader`` whose sampler skips ``count`` batches, or None."""
-    # type(), not isinstance: accelerate's prepared loaders claim DataLoader as their __class__
-    # but iterate a loader of their own, which a copy's sampler would not reach.
-    if (
-        isinstance(source, DataLoader)
-        and issubclass(type(source), DataLoader)
-        and not isinstance(source.dataset, IterableDataset)
-        and not persistent(source)
-    ):
-        if source.batch_sampler is not None:
-            return copy_loader(source, batch_sampler=_SkipFirst(source.batch_sampler, count))
-        return copy_loader(source, sampler=_SkipFirst(source.sampler, count))
+    kind = classify(source)
+    if kind.loader is not None and kind.skippable:
+        loader = kind.loader
+        if loader.batch_sampler is not None:
+            return copy_loader(loader, batch_sampler=_SkipFirst(loader.batch_sampler, count))
+        return copy_loader(loader, sampler=_SkipFirst(loader.sampler, count))
     return None
-
-
-def persistent(source: object) -> bool:
-    """Whether ``source`` is a DataLoader keeping its workers (and iterator) across epochs."""
-    return isinstance(source, DataLoader) and source.num_workers > 0 and source.persistent_workers

@@ -8,11 +8,11 @@ where a resume cannot be exact. Nothing here changes what is loaded.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
-from ._accelerate import ShardMirror, accelerate_is_active, is_dispatcher, prepared_loader_types
+from ._accelerate import accelerate_is_active
 from ._samplers import has_unreadable_set_epoch
 from ._sharding import distributed_world, is_sharded, unsharded_warning
+from ._sources import Client, SourceKind
 from ._warn import warn
 from ._webdataset import shuffle_warning, unreplayable_shuffles
 
@@ -22,9 +22,9 @@ def describe(source: object) -> str:
     return type(source).__qualname__
 
 
-def refuse_unsupported(source: object, across_epochs: bool, mirror: ShardMirror | None) -> None:
+def refuse_unsupported(kind: SourceKind, across_epochs: bool) -> None:
     """Refuse, with the fix, what nostall cannot run ahead of in a distributed run."""
-    if is_dispatcher(source) and distributed_world() is not None:
+    if kind.accelerate_dispatcher and distributed_world() is not None:
         raise ValueError(
             "nostall.prefetch cannot run ahead of an accelerate DataLoaderDispatcher in a "
             "distributed run: each of its batches is a collective call across ranks, which "
@@ -32,7 +32,7 @@ def refuse_unsupported(source: object, across_epochs: bool, mirror: ShardMirror 
             "DataLoaderConfiguration(dispatch_batches=False) (each rank then reads its own "
             "shard), or iterate the dispatcher without nostall"
         )
-    if mirror is not None and across_epochs and distributed_world() is not None:
+    if kind.accelerate_shard and across_epochs and distributed_world() is not None:
         raise ValueError(
             "across_epochs=True over an accelerate-prepared loader in a distributed run: "
             "opening its next epoch synchronises random states across ranks (a collective "
@@ -41,9 +41,9 @@ def refuse_unsupported(source: object, across_epochs: bool, mirror: ShardMirror 
         )
 
 
-def warn_about_epochs(source: object) -> None:
+def warn_about_epochs(source: object, kind: SourceKind) -> None:
     """With ``across_epochs``: say where the next epoch cannot be as seamless as promised."""
-    if _restarts_workers(source):
+    if kind.restarts_workers:
         warn(
             "nostall: across_epochs=True over a DataLoader with workers but without "
             "persistent_workers=True: the next epoch's first batches are fetched early, but "
@@ -62,17 +62,13 @@ def warn_about_epochs(source: object) -> None:
         )
 
 
-def warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
+def warn_if_hidden_from_framework(source: object, kind: SourceKind, shard: bool | None) -> None:
     """At the first epoch: warn where a framework cannot see the loader behind the prefetcher."""
     if shard is None:
         world = distributed_world()
-        if world is not None and issubclass(type(source), DataLoader) and not is_sharded(source):
+        if world is not None and kind.dataloader_type and not is_sharded(source):
             warn(unsharded_warning(source, *world), UserWarning)
-    if (
-        accelerate_is_active()
-        and issubclass(type(source), DataLoader)
-        and not isinstance(source, prepared_loader_types())
-    ):
+    if accelerate_is_active() and kind.dataloader_type and kind.client is not Client.ACCELERATE:
         warn(
             "nostall: an accelerate Accelerator is active, but the DataLoader given to "
             "nostall.prefetch was not prepared by it, so accelerate neither shards it nor "
@@ -84,7 +80,9 @@ def warn_if_hidden_from_framework(source: object, shard: bool | None) -> None:
         )
 
 
-def warn_inexact_resume(source: object, epoch: int, handed_out: int, stateful: bool) -> None:
+def warn_inexact_resume(
+    source: object, kind: SourceKind, epoch: int, handed_out: int, stateful: bool
+) -> None:
     """At ``load_state_dict``: say where a resume cannot give the uninterrupted run's batches.
 
     ``epoch`` is resumed after ``handed_out`` of its batches. A webdataset shuffle that cannot
@@ -98,10 +96,12 @@ def warn_inexact_resume(source: object, epoch: int, handed_out: int, stateful: b
             UserWarning,
         )
     if stateful:
-        warn_inexact_stateful_resume(source, iterable_dataset=not shuffles)
+        warn_inexact_stateful_resume(source, kind, iterable_dataset=not shuffles)
 
 
-def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) -> None:
+def warn_inexact_stateful_resume(
+    source: object, kind: SourceKind, iterable_dataset: bool = True
+) -> None:
     """Say where a source's own ``state_dict`` cannot resume exactly (torchdata's loader)."""
     generator = getattr(source, "generator", None)
     if isinstance(generator, torch.Generator):
@@ -118,7 +118,8 @@ def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) 
     dataset = getattr(source, "dataset", None)
     if (
         iterable_dataset
-        and isinstance(dataset, IterableDataset)
+        and kind.loader is not None
+        and not kind.map_style
         and not callable(getattr(dataset, "state_dict", None))
     ):
         warn(
@@ -129,9 +130,3 @@ def warn_inexact_stateful_resume(source: object, iterable_dataset: bool = True) 
             f"state_dict()/load_state_dict()",
             UserWarning,
         )
-
-
-def _restarts_workers(source: object) -> bool:
-    return (
-        isinstance(source, DataLoader) and source.num_workers > 0 and not source.persistent_workers
-    )

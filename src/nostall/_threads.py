@@ -50,13 +50,14 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from ._accelerate import prepared_loader_types, unthreadable_shard
+from ._accelerate import unthreadable_shard
 from ._exceptions import add_note
 from ._exit import ThreadLetGo
-from ._fabric import is_fabric_loader, threads_refusal
+from ._fabric import threads_refusal
 from ._pool import Pool, SampleFuture
+from ._sources import Client, classify
 from ._stacks import stuck_at
 from ._torch_compat import (
     answer_worker_info_per_thread,
@@ -115,31 +116,32 @@ def check_threadable(source: object, threads: object) -> int | None:
             f"threads share one GIL, and past about the core count ({os.cpu_count()} here) they "
             f"only add switching; pass e.g. threads=8 (more only for samples that wait on I/O)"
         )
-    if is_fabric_loader(source):
+    kind = classify(source)
+    if kind.client is Client.FABRIC:
         raise TypeError(threads_refusal(threads))
-    if isinstance(source, IterableDataset):  # a webdataset pipeline, WebLoader, HF's stream
+    if kind.iterable_dataset:  # a webdataset pipeline, WebLoader, HF's stream
         raise TypeError(
             f"threads= fetches a DataLoader's samples by index, and "
             f"{type(source).__qualname__} is an IterableDataset, which can only be iterated "
             f"in order: leave threads out (a DataLoader's num_workers= loads it in processes)"
         )
-    if not isinstance(source, DataLoader):  # accelerate's loaders claim the class: see below
+    if kind.loader is None:  # accelerate's loaders claim the class: see below
         raise TypeError(
             f"threads= loads a torch.utils.data.DataLoader's batches with threads; got "
             f"{type(source).__qualname__}: pass the DataLoader itself, or leave threads out"
         )
-    loader: DataLoader[Any] = source
+    loader = kind.loader
     # What threads can never load is refused before what a changed argument would fix, so
     # that following the first message reaches a working setting (an IterableDataset with
     # num_workers=2 must not be told to drop its workers, only to be refused next).
     why = ""
-    if isinstance(loader.dataset, IterableDataset):
+    if not kind.map_style:
         why = "its dataset is an IterableDataset, whose items cannot be fetched by index"
-    elif type(loader) in prepared_loader_types():
-        why = unthreadable_shard(loader)  # else its DataLoader is loaded inside accelerate's
-    elif (
-        not issubclass(type(loader), DataLoader) or type(loader).__iter__ is not DataLoader.__iter__
-    ):
+    elif kind.client is Client.ACCELERATE:
+        # Else its DataLoader is loaded inside accelerate's.
+        base = classify(getattr(loader, "base_dataloader", None))
+        why = unthreadable_shard(loader, base.torch_iteration)
+    elif not kind.torch_iteration:
         why = (
             f"{type(loader).__qualname__} iterates in its own way, which threads would bypass; "
             f"build a plain DataLoader over a map-style dataset"
@@ -150,7 +152,7 @@ def check_threadable(source: object, threads: object) -> int | None:
             "loads in processes)"
         )
     if loader.num_workers > 0:
-        trainer = _UNDER_TRAINER if type(loader) in prepared_loader_types() else ""
+        trainer = _UNDER_TRAINER if kind.client is Client.ACCELERATE else ""
         raise ValueError(
             f"threads= loads in place of the DataLoader's worker processes, and this one was "
             f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
@@ -28,6 +27,7 @@ from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
 from ._global_draws import draws_of, unreported
 from ._prefetcher import prefetch
+from ._sources import classify
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threads import check_threadable
@@ -351,7 +351,7 @@ def _refuse_if_thread_bound(factory: Factory, setting: Setting, device: torch.de
         ConfigurationError: the loader works only in this thread (its error is the cause).
     """
     loader = build(factory, setting, device)
-    if isinstance(loader, DataLoader) and loader.num_workers > 0:
+    if classify(loader).workers > 0:
         return  # worker processes load it, never a thread of this process
     raised: list[Exception] = []
 

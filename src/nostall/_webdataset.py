@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader
+from ._sources import classify
 
 
 def unreplayable_shuffles(source: object, epoch: int, handed_out: int) -> list[str]:
@@ -107,14 +107,15 @@ def _stages(source: object, copied_per_epoch: bool, depth: int) -> Iterator[tupl
     """
     if depth > 8:  # pipelines nest a few levels at most; a cycle must not recurse forever
         return
-    if isinstance(source, DataLoader):
-        fresh = copied_per_epoch or (source.num_workers > 0 and not source.persistent_workers)
-        yield from _stages(source.dataset, fresh, depth + 1)
+    kind = classify(source)
+    if kind.loader is not None:
+        fresh = copied_per_epoch or kind.restarts_workers
+        yield from _stages(kind.loader.dataset, fresh, depth + 1)
         return
     stages = getattr(source, "pipeline", None)
     if not isinstance(stages, list):
         return
     for stage in stages:
         yield stage, copied_per_epoch
-        if isinstance(stage, DataLoader) or isinstance(getattr(stage, "pipeline", None), list):
+        if classify(stage).loader is not None or isinstance(getattr(stage, "pipeline", None), list):
             yield from _stages(stage, copied_per_epoch, depth + 1)

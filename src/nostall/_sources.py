@@ -1,0 +1,156 @@
+"""What a source is, decided in one place: every "is it a DataLoader?" of nostall is asked here.
+
+:func:`classify` looks at a source once, when a prefetcher is built (and again when
+``shard=True`` puts a sharded copy in its place), and returns a :class:`SourceKind`. Every
+other module asks that value, never the source's type: the engine asks the epoch source built
+from it (:class:`~nostall._epochs.EpochSource`, the adapter), and the argument checks, the
+resume, the skipping and the global-draw watch ask the kind. A new client is recognised here
+(its recogniser lives in its own module: :mod:`nostall._fabric`, :mod:`nostall._accelerate`)
+and adapted in the epoch source; the channel, the producer, the staging and the iteration do
+not change.
+
+The kinds, as the checks tell them apart::
+
+    a one-shot iterator (a generator)          one_shot        its items once, then exhausted
+    a list or tuple of batches                 batches_known   len() counts them
+    a torch DataLoader (or a subclass)         loader          its dataset, sampler, workers
+      over a map-style dataset                 map_style       len() counts its batches
+      iterated by DataLoader.__iter__          torch_iteration threads= may load its samples
+    a stateful loader (torchdata's)            stateful        resumes through its own state
+    Lightning Fabric's loader                  client=FABRIC   counts iter() calls
+    accelerate's prepared loader               client=ACCELERATE  a shard of a DataLoader
+    an IterableDataset given as the source     iterable_dataset (webdataset, HF streaming)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from ._accelerate import is_prepared_shard, prepared_loader_types
+from ._fabric import fabric_inner_loader, is_fabric_loader
+
+
+class Client(enum.Enum):
+    """Who built the loader nostall wraps (what its epochs need beyond a plain iteration)."""
+
+    #: Anything iterable: a DataLoader, a list, a generator, a pipeline.
+    PLAIN = "plain"
+    #: ``fabric.setup_dataloaders``'s ``_FabricDataLoader``: sets the epoch from its count.
+    FABRIC = "Lightning Fabric"
+    #: ``accelerator.prepare``'s ``DataLoaderShard`` or ``DataLoaderDispatcher``.
+    ACCELERATE = "accelerate"
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceKind:
+    """What one source is: fixed when it is classified.
+
+    The loader's own settings that a user may still change (``num_workers``,
+    ``persistent_workers``) are read from it when asked, not copied.
+
+    Invariants:
+        * ``loader`` is the source itself where the source claims to be a DataLoader (a
+          subclass, or accelerate's prepared loader, which claims the class), else None;
+          ``inner`` is the DataLoader whose dataset and sampler make the batches: ``loader``,
+          or the one inside Fabric's loader.
+        * ``map_style`` and ``torch_iteration`` are False without ``loader``.
+    """
+
+    #: The source's type, as messages name it.
+    name: str
+    client: Client
+    loader: DataLoader[Any] | None
+    inner: DataLoader[Any] | None
+    #: The source is its own iterator (a generator, say): it yields its items once.
+    one_shot: bool
+    #: A list or tuple: ``len()`` counts its batches.
+    batches_known: bool
+    #: ``type(source)`` is a DataLoader subclass (accelerate's loader only claims the class).
+    dataloader_type: bool
+    #: The loader's dataset is map-style (not an ``IterableDataset``).
+    map_style: bool
+    #: Iterated by ``DataLoader.__iter__`` itself, so its samples can be loaded by index.
+    torch_iteration: bool
+    #: The source keeps its own ``state_dict()``/``load_state_dict()`` (torchdata's loader).
+    stateful: bool
+    #: The source is an ``IterableDataset`` itself (a webdataset pipeline, HF streaming).
+    iterable_dataset: bool
+    #: accelerate's ``DataLoaderShard``: iterated through a shadow (``ShardMirror``).
+    accelerate_shard: bool
+
+    @property
+    def workers(self) -> int:
+        """The loader's worker processes (0 without a loader)."""
+        return 0 if self.loader is None else int(self.loader.num_workers)
+
+    @property
+    def persistent(self) -> bool:
+        """A loader that keeps its workers, and its iterator, across epochs."""
+        return self.workers > 0 and bool(self.loader.persistent_workers)  # type: ignore[union-attr]
+
+    @property
+    def restarts_workers(self) -> bool:
+        """A loader whose worker processes are started anew at each epoch."""
+        return self.workers > 0 and not self.persistent
+
+    @property
+    def counted(self) -> bool:
+        """Whether ``len()`` counts the batches an epoch yields (else it is only an estimate).
+
+        A map-style DataLoader (or Fabric's loader over one) yields its batch sampler's
+        batches, a list or tuple its items; torch documents the ``len()`` of a loader over an
+        ``IterableDataset`` as an estimate, and any other source's is what it says.
+        """
+        if self.inner is not None:
+            return not isinstance(self.inner.dataset, IterableDataset)
+        return self.batches_known
+
+    @property
+    def skippable(self) -> bool:
+        """A DataLoader whose copy may skip batches through its sampler, loading nothing.
+
+        A real DataLoader (accelerate's iterates a loader of its own, which a copy's sampler
+        would not reach) over a map-style dataset, without persistent workers (a copy would
+        make its next epoch draw differently).
+        """
+        return self.dataloader_type and self.map_style and not self.persistent
+
+    @property
+    def accelerate_dispatcher(self) -> bool:
+        """accelerate's ``DataLoaderDispatcher``: rank 0 loads, each batch a collective call."""
+        return self.client is Client.ACCELERATE and not self.accelerate_shard
+
+
+def classify(source: object) -> SourceKind:
+    """Decide what ``source`` is (see the module docstring for the kinds)."""
+    loader = source if isinstance(source, DataLoader) else None
+    if is_fabric_loader(source):
+        client = Client.FABRIC
+        inner = fabric_inner_loader(source)
+        inner = inner if isinstance(inner, DataLoader) else None
+    else:
+        client = Client.ACCELERATE if isinstance(source, prepared_loader_types()) else Client.PLAIN
+        inner = loader
+    map_style = loader is not None and not isinstance(loader.dataset, IterableDataset)
+    return SourceKind(
+        name=type(source).__qualname__,
+        client=client,
+        loader=loader,
+        inner=inner,
+        one_shot=isinstance(source, Iterator),
+        batches_known=type(source) in (list, tuple),
+        dataloader_type=issubclass(type(source), DataLoader),
+        map_style=map_style,
+        torch_iteration=loader is not None
+        and issubclass(type(source), DataLoader)
+        and type(source).__iter__ is DataLoader.__iter__,  # type: ignore[attr-defined]
+        stateful=callable(getattr(source, "state_dict", None))
+        and callable(getattr(source, "load_state_dict", None)),
+        iterable_dataset=isinstance(source, IterableDataset),
+        accelerate_shard=is_prepared_shard(source),
+    )
