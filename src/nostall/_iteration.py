@@ -40,13 +40,13 @@ from ._producer import Puller
 from ._producer_thread import produce
 from ._samplers import readable_epoch
 from ._source_checks import describe, warn_if_hidden_from_framework
-from ._staging import CudaStaging
+from ._staging_cuda import CudaStaging
 from ._warn import warn
 
 if TYPE_CHECKING:
     from ._profile import StallRecorder
     from ._settings import Settings
-    from ._staging import Staging
+    from ._staging_base import Staging
 
 T = TypeVar("T")
 

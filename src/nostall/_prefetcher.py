@@ -32,7 +32,8 @@ from ._source_checks import (
     warn_inexact_resume,
 )
 from ._stacks import stuck_at
-from ._staging import Staging, staging_for
+from ._staging import staging_for
+from ._staging_base import Staging
 from ._warn import warn
 
 T = TypeVar("T")
