@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._transfer import call_to
+from ._transform_state import stateful
 from ._tree import map_tensors
 
 #: A warning found while staging a batch: its key (once per process) and its message.
@@ -54,15 +55,22 @@ class Staging:
     late = False
 
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None = None) -> None:
+        """Stage batches to ``device``, transformed by ``transform`` when there is one.
+
+        Raises:
+            TypeError: ``transform`` has half of the state contract (``state_dict()`` without
+                ``load_state_dict()``, or the reverse), at ``prefetch(...)``.
+        """
         self.device = device
         #: Applied to each moved batch (``nostall.transforms``); on CUDA, on the copy stream.
         self.transform = transform
-        state_dict = getattr(transform, "state_dict", None)
-        self._transform_state = state_dict if callable(state_dict) else None
+        #: The transform when it keeps the state contract, decided once, here (a transform
+        #: with half of it is refused: see :func:`nostall._transform_state.stateful`).
+        self._stateful = stateful(transform)
 
     def transform_state(self) -> Any:
-        """The transform's state now (``None`` without a transform or ``state_dict``)."""
-        return None if self._transform_state is None else self._transform_state()
+        """The transform's state now (``None`` unless it is a ``StatefulTransform``)."""
+        return None if self._stateful is None else self._stateful.state_dict()
 
     def before_epoch(self) -> None:
         """Called where an epoch's iterator is made, before it is (nothing off CUDA)."""
