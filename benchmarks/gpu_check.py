@@ -32,6 +32,7 @@ SIMULATED = (
     "tests/test_simcuda.py",
     "tests/test_transfer_simulated.py",
     "tests/test_staging.py",
+    "tests/test_staging_cuda.py",
     "tests/test_device.py",
     "tests/test_transforms.py",
 )

@@ -42,7 +42,7 @@ from nostall import (
     _pool,
     _sharding,
     _source_checks,
-    _staging,
+    _staging_cuda,
 )
 from nostall._epochs import EpochSource
 from nostall._global_draws import GlobalDrawsWarning, unwatched
@@ -183,14 +183,14 @@ def global_draws(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def unpinnable_objects(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_staging, "_WARNED", set())
+    monkeypatch.setattr(_staging_cuda, "_WARNED", set())
     with simulated_cuda():
         for _ in entry([Unpinnable(torch.ones(2)) for _ in range(3)], "cuda"):  # <- warns
             pass
 
 
 def hidden_tensors(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_staging, "_WARNED", set())
+    monkeypatch.setattr(_staging_cuda, "_WARNED", set())
     with simulated_cuda():
         for _ in entry([Hidden(torch.ones(2)) for _ in range(3)], "cuda"):  # <- warns
             pass

@@ -22,8 +22,10 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       |   _epochs         opening the source's epochs: set_epoch, the order drawn, replays
       |   _source_checks  what cannot run ahead is refused, what cannot be exact is warned of
       |   _transfer       the moves themselves: pin_memory, to_device, record_stream
+      |   _staging_base   per batch: copy -> transform (CPU, XPU; on MPS in the consumer's thread)
+      |   _staging_cuda   on CUDA: pin -> copy on a side stream -> transform -> ready event
       v
-    _staging      per batch: pin -> copy on a side CUDA stream -> transform -> ready event
+    _staging      which staging a device gets: streams on CUDA, the consumer's thread on MPS
       v
     _channel      the bounded hand-off between two threads: at most ``depth`` ahead, in order
       ^

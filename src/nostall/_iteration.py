@@ -38,13 +38,13 @@ from ._lineage import Lineage
 from ._producer import Puller
 from ._producer_thread import produce
 from ._source_checks import describe, warn_if_hidden_from_framework
-from ._staging import CudaStaging
+from ._staging_cuda import CudaStaging
 from ._warn import warn
 
 if TYPE_CHECKING:
     from ._profile import StallRecorder
     from ._settings import Settings
-    from ._staging import Staging
+    from ._staging_base import Staging
 
 T = TypeVar("T")
 
@@ -290,7 +290,7 @@ class PrefetchIterator(Iterator[T]):
         forward = lineage.epochs.across_epochs and not outside
         pending = lineage.take_pending_transform_state()
         if pending is not None:
-            self._staging.transform.load_state_dict(pending)  # type: ignore[union-attr]
+            self._staging.load_transform_state(pending)
         epochs = lineage.epochs
         depth = self._settings.depth
         auto = depth == "auto"

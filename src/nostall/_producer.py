@@ -24,7 +24,7 @@ from ._epochs import EpochSource
 from ._exceptions import noted
 from ._exit import ThreadLetGo
 from ._stacks import stuck_at
-from ._staging import Staged, Staging
+from ._staging_base import Staged, Staging
 from ._torch_compat import dead_workers_behind
 
 #: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.

@@ -32,6 +32,7 @@ from ._arguments import kind, received
 from ._epochs import AS_BUILT, EpochSource
 from ._fabric import check_count
 from ._samplers import describe_order
+from ._transform_state import StatefulTransform
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1
@@ -145,7 +146,7 @@ def loaded_position(
         check = getattr(transform, "check_state", None)
         if callable(check):
             check(transform_state)  # a mismatch fails here, not at the next epoch
-        elif not callable(getattr(transform, "load_state_dict", None)):
+        elif not isinstance(transform, StatefulTransform):
             raise ValueError(
                 f"the state holds a transform state, but this prefetcher's transform "
                 f"{transform!r:.60} has no load_state_dict(); pass the transform it was saved "

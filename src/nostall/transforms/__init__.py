@@ -19,6 +19,10 @@ Invariants:
       ``state_dict`` / ``load_state_dict`` carry the generator through a checkpoint, and
       ``nostall.prefetch`` saves it per batch handed out, so a resumed run draws what the
       uninterrupted run would have.
+    * Any callable is a transform. Yours is checkpointed the same way when it keeps
+      :class:`StatefulTransform` (``state_dict()`` and ``load_state_dict(state)``); one with
+      only one of the two is refused with a ``TypeError`` at ``prefetch(...)``, since its state
+      could not be restored on resume.
     * A transform allocates its output and at most small per-sample index or parameter
       tensors. ``RandomResizedCrop`` also holds transient float buffers, chunk by chunk: within
       half its output, or one image's buffers where those are more (small batches, see
@@ -26,6 +30,7 @@ Invariants:
       prefetcher's ``depth`` times the transformed batch, plus those transients.
 """
 
+from .._transform_state import StatefulTransform
 from ._base import Compose, Transform
 from ._random import RandomHorizontalFlip, RandomResizedCrop
 from ._tensors import ChannelsLast, Normalize, ToDtype
@@ -36,6 +41,7 @@ __all__ = [
     "Normalize",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "StatefulTransform",
     "ToDtype",
     "Transform",
 ]

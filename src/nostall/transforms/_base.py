@@ -14,7 +14,11 @@ Key = Hashable | int
 
 
 class Transform:
-    """A batch transform applied to the part of the batch named by ``on``."""
+    """A batch transform applied to the part of the batch named by ``on``.
+
+    Every one keeps :class:`~nostall.transforms.StatefulTransform` (``state_dict`` and
+    ``load_state_dict``), so a prefetcher's checkpoint holds its state.
+    """
 
     def __init__(self, on: Key | None = 0) -> None:
         self.on = _key(type(self).__name__, on)

@@ -1,0 +1,306 @@
+"""Staging on CUDA: pin -> copy on a side stream -> transform -> ready event.
+
+:meth:`CudaStaging.stage` runs in the producer thread (or the consumer's, when it pulls a batch
+itself); :meth:`CudaStaging.hand_out` runs in the consumer thread: its current stream waits for
+the ready event and the batch's memory is kept for it (``record_stream``), and the warnings
+staging found about the batch (objects that cannot pin, tensors hidden from nostall) are
+raised there, at the user's line (the producer thread has none).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _copy_streams
+from ._staging_base import DueWarning, Staged, Staging
+from ._transfer import call_pin_memory, call_to, compact, record_stream
+from ._tree import UNHANDLED, iter_tensors, map_tensors
+from ._warn import warn
+
+
+class CudaStaging(Staging):
+    """Pins and copies batches on one side stream; the consumer's stream waits for each batch.
+
+    Steps, all queued on the copy stream: pin -> copy (leaf by leaf, so a leaf's copy runs
+    while the next one is pinned) -> transform -> ready event.
+
+    Invariants:
+        * The source runs on the target device and on a source stream of its own, borrowed
+          like the copy stream, in every thread that calls it (:meth:`source_context`: the
+          producer, the consumer pulling a batch itself, the loading threads). GPU work the
+          source does (decoding on the GPU, collating device tensors) is so ordered before
+          the copy stream, which waits for the source stream, and never on another device.
+        * One copy stream per instance, borrowed here and never replaced (streams per epoch would
+          grow reserved memory), and lent to the next staging once this one is collected
+          (:mod:`nostall._copy_streams`): prefetchers made one after another share its pool.
+        * A batch is handed out only after the consumer's current stream waits on the event
+          recorded after its copies and transforms, so no kernel can read it early. When the
+          source put tensors on the device, the copy stream first waits for the stream they
+          were written on (the staging thread's current stream); otherwise it waits for
+          nothing, so copies never queue behind the model's work.
+        * Every CUDA tensor of a handed-out batch is ``record_stream``-ed on the consumer's
+          stream, and device inputs a transform reads on the copy stream are ``record_stream``-ed
+          there, so the caching allocator never reuses memory another stream may still read.
+        * ``non_blocking=True`` is used only from pinned memory, where it is truly asynchronous.
+        * Nothing in staging makes the host wait for the device (no ``.item()``, no blocking
+          or pageable copies) unless the user turned pinning off or a batch object cannot pin.
+        * No batch is handed out while the consumer's stream captures a CUDA graph.
+    """
+
+    def __init__(
+        self, device: torch.device, pin: bool, transform: Callable[[Any], Any] | None = None
+    ) -> None:
+        super().__init__(device, transform)
+        self.pin = pin
+        self.stream = _copy_streams.LENDER.lend(device, self)
+        self.source_stream = _copy_streams.LENDER.lend(device, self)
+
+    def source_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The target device and the source stream, current while the source runs."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.cuda.device(self.device))
+            stack.enter_context(torch.cuda.stream(self.source_stream))
+            return stack.pop_all()
+
+    def before_epoch(self) -> None:
+        """Order the source stream after the work queued so far on the opening thread's stream.
+
+        Called where an epoch's iterator is made: GPU data prepared before the loop (a
+        dataset normalised on the GPU) is finished before the source reads it, as when the
+        source ran on that stream itself. Once per epoch, not per batch: a wait per batch
+        would queue every copy behind the model's kernels.
+        """
+        self.source_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def start_thread(self) -> None:
+        """Also make the target the producer thread's current device (pinning, events use it)."""
+        super().start_thread()
+        torch.cuda.set_device(self.device)
+
+    def stage(self, batch: Any) -> Staged:
+        """Pin and copy ``batch`` on the copy stream, transform it, record its ready event."""
+        copies: list[torch.Tensor] = []
+        due: list[DueWarning] = []
+        on_device = [t for t in iter_tensors(batch) if t.device == self.device]
+        self._after_source(on_device)
+        with torch.cuda.stream(self.stream):
+            moved = map_tensors(batch, self._leaf_mover(copies), self._object_mover(copies, due))
+            protect = copies
+            if self.transform is not None:
+                # On the copy stream too: it overlaps the model's compute, and the consumer's
+                # wait on the event covers it. The copied inputs die here, on this stream;
+                # only the outputs need protecting for the consumer.
+                self._keep_for_copy_stream(on_device)
+            moved, transform_state = self._transform_step(moved)
+            if self.transform is not None:
+                protect = []  # the transform's outputs replace the copies
+            # Every device tensor handed out is protected, also those the source put on the
+            # device itself inside an object nostall does not move (their blocks belong to
+            # the source thread's stream, whose next allocations could reuse them).
+            protect = _unique(protect + [t for t in iter_tensors(moved) if t.is_cuda])
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(self.stream)
+        return Staged(moved, ready, protect, transform_state, tuple(due))
+
+    def _after_source(self, on_device: list[torch.Tensor]) -> None:
+        """Order the copy stream after the work that wrote the source's device tensors.
+
+        They were written on the source stream (whichever thread ran the source), so the copy
+        stream (and the event the consumer waits on) must come after that work. Only then,
+        and only on the source stream: a wait on the model's stream would queue every copy
+        behind the model's kernels, and no copy could overlap them.
+        """
+        if on_device:
+            self.stream.wait_stream(self.source_stream)
+
+    def _keep_for_copy_stream(self, on_device: list[torch.Tensor]) -> None:
+        """Keep the source's device tensors' memory until the copy stream has read them.
+
+        Without this their blocks would return to their own stream's pool when they die here,
+        and the source's next batch could overwrite them while the transform still reads.
+        """
+        for t in on_device:
+            record_stream(t, self.stream)
+
+    def _leaf_mover(self, out: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        device, pin = self.device, self.pin
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu":
+                pinned = t.is_pinned()
+                if pin and not pinned:
+                    t, pinned = compact(t).pin_memory(), True
+                t = t.to(device, non_blocking=pinned)
+            elif t.device != device:
+                t = t.to(device)  # a batch on another GPU: moved explicitly, never left behind
+            if t.is_cuda:
+                out.append(t)
+            return t
+
+        return move
+
+    def _object_mover(self, out: list[torch.Tensor], due: list[DueWarning]) -> Callable[[Any], Any]:
+        device, pin = self.device, self.pin
+
+        def move(obj: Any) -> Any:
+            if not callable(getattr(obj, "to", None)):
+                return UNHANDLED
+            pinned = _pinned_object(obj, due) if pin else UNHANDLED
+            # non_blocking only from pinned memory: from pageable memory the copy is
+            # synchronous anyway, and a non_blocking one hides that.
+            if pinned is UNHANDLED:
+                moved = call_to(obj, device, False)
+            else:
+                moved = call_to(pinned, device, True)
+            seen = _unique(list(iter_tensors(moved)))
+            found = [t for t in seen if t.is_cuda]
+            before = len(_unique(list(iter_tensors(obj))))
+            # Fewer tensors seen after .to() than before (or none on the device, from an
+            # object that had some): it kept some where nostall cannot look.
+            if before and (not found or len(seen) < before):
+                _hidden_tensors(type(obj), type(moved), due)
+            out.extend(found)
+            return moved
+
+        return move
+
+    def check_consumer(self) -> None:
+        """Refuse to hand out a batch while the consumer's stream captures a CUDA graph.
+
+        The wait for the copy stream's event and the ``record_stream`` calls would be captured
+        into the graph, and every replay would read the memory of this one batch.
+        """
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a nostall prefetcher cannot hand out batches while a CUDA graph is being "
+                "captured on the current stream: the graph would replay this one batch. Take "
+                "the batch before the capture and copy it into the graph's static input "
+                "(static_input.copy_(batch); graph.replay()) in the loop"
+            )
+
+    def hand_out(self, staged: Staged) -> Any:
+        """Make the caller's current stream wait for the batch and protect its memory."""
+        consumer = torch.cuda.current_stream(self.device)
+        self._wait(consumer, staged.ready)
+        self._keep_for_consumer(consumer, staged.tensors)
+        if staged.due:
+            _warn_due(staged.due)
+        return staged.batch
+
+    @staticmethod
+    def _wait(consumer: torch.cuda.Stream, ready: torch.cuda.Event | None) -> None:
+        """The consumer's kernels queued from now on start after the batch is written."""
+        if ready is not None:
+            consumer.wait_event(ready)
+
+    @staticmethod
+    def _keep_for_consumer(consumer: torch.cuda.Stream, tensors: list[torch.Tensor]) -> None:
+        """Keep the batch's memory out of the copy stream's pool until the consumer used it."""
+        for t in tensors:
+            record_stream(t, consumer)
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without repeats (by identity), in order."""
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+
+
+def _pinned_object(obj: Any, due: list[DueWarning]) -> Any:
+    """``obj`` ready for a ``non_blocking`` copy, or :data:`UNHANDLED` (then copied blocking).
+
+    In order: its own ``pin_memory()``; a Mapping or dataclass with ``.to()`` and no
+    ``pin_memory()`` (Hugging Face's ``BatchEncoding``, many collators' outputs) gets a copy
+    with its values pinned, as torch's own ``pin_memory`` treats a Mapping; an object whose
+    every tensor nostall can see is pinned already goes as it is. Anything else is warned
+    about once per type (added to ``due``): its tensors may be pageable.
+    """
+    pinned = call_pin_memory(obj)
+    if pinned is not UNHANDLED:
+        return pinned
+    # Only types whose shallow copy owns its items (a dict subclass, a UserDict: its __copy__
+    # copies .data, a dataclass): another Mapping's copy may share its storage with the
+    # user's object, which the update would then fill with pinned copies.
+    if isinstance(obj, (dict, collections.UserDict)) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    ):
+        try:
+            return _with_pinned_values(obj)
+        except Exception:  # a type that cannot be copied so: a blocking copy is still correct
+            pass
+    tensors = list(iter_tensors(obj))
+    if tensors and all(t.device.type != "cpu" or t.is_pinned() for t in tensors):
+        return obj
+    _unpinnable(type(obj), due)
+    return UNHANDLED
+
+
+def _with_pinned_values(obj: Any) -> Any:
+    """A shallow copy of a Mapping or dataclass ``obj`` whose values are pinned."""
+    pin = functools.partial(map_tensors, on_tensor=_pinned, on_object=call_pin_memory)
+    clone = copy.copy(obj)
+    if isinstance(obj, (dict, collections.UserDict)):
+        clone.update({k: pin(v) for k, v in obj.items()})
+    else:
+        for field in dataclasses.fields(obj):
+            object.__setattr__(clone, field.name, pin(getattr(obj, field.name)))
+    return clone
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+
+
+#: The warnings raised so far, by key: each once per process.
+_WARNED: set[tuple[str, type]] = set()
+
+
+def _warn_due(due: tuple[DueWarning, ...]) -> None:
+    """Raise the warnings found while staging a batch, in the consumer's thread.
+
+    Each key is marked warned here, when raised, not when found: a batch fetched ahead and
+    never handed out (a loop that breaks) takes no warning with it.
+    """
+    for key, message in due:
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warn(message)
+
+
+def _unpinnable(kind: type, due: list[DueWarning]) -> None:
+    """Once per type: its copies to the GPU may be synchronous, and how to make them overlap."""
+    key = ("unpinnable", kind)
+    if key in _WARNED:
+        return
+    message = (
+        f"{kind.__qualname__} objects have .to() but no .pin_memory(), and nostall cannot see "
+        f"that all their tensors are pinned: their copies to the GPU may be from pageable "
+        f"memory, which blocks the producer until each copy is done; give "
+        f"{kind.__qualname__} a pin_memory() method that returns a copy in pinned memory (as "
+        f"tensor.pin_memory() does) to let the copies overlap the model's work"
+    )
+    due.append((key, message))
+
+
+def _hidden_tensors(kind: type, moved: type, due: list[DueWarning]) -> None:
+    """Once per type: what its ``.to()`` returned hides tensors nostall cannot protect."""
+    key = ("hidden", kind)
+    if key in _WARNED:
+        return
+    message = (
+        f"{kind.__qualname__}.to() returned a {moved.__qualname__} in which nostall cannot find "
+        f"all the tensors it copied to the GPU (they are kept where nostall does not look: a C "
+        f"object, a closure, ...): their memory is not protected for your stream, and the "
+        f"caching allocator may hand it to the next batch's copy while your kernels still "
+        f"read it. Keep the tensors in attributes, fields, lists, tuples, dicts or sets, or "
+        f"synchronize (torch.cuda.current_stream().synchronize()) before dropping a batch"
+    )
+    due.append((key, message))
