@@ -51,6 +51,11 @@ def step(batch):
     x, y = batch
     torch.nn.functional.cross_entropy(model(x), y).backward()
 
+def make_worker_loader(num_workers=2, pin_memory=False, prefetch_factor=2, persistent_workers=True):
+    # Defaults for worker processes: a DataLoader refuses prefetch_factor=2 with num_workers=0.
+    return DataLoader(Slow(), batch_size=8, num_workers=num_workers, pin_memory=pin_memory,
+                      prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+
 CONSTANT = 3
 
 def returns_int():
@@ -158,6 +163,17 @@ def test_diagnosis_has_every_part(user_module: str) -> None:
     shares = [done for _, done in seen]
     assert shares == sorted(shares)  # the bar only moves forward
     assert shares[-1] == 1.0
+
+
+def test_the_doctor_tries_num_workers_zero_on_a_factory_with_worker_defaults(
+    user_module: str,
+) -> None:
+    """A factory whose defaults are for worker processes is measured at num_workers=0 too."""
+    factory = load_callable(f"{user_module}:make_worker_loader", "factory")
+    diagnosis = diagnose(factory, device="cpu", max_batches=30, repeats=1)
+    assert Setting(0, 2) == diagnosis.search.curve[0][0]
+    if diagnosis.best[0].num_workers == 0:
+        assert "prefetch_factor=None" in diagnosis.code
 
 
 def test_the_recommendation_is_the_code_to_write() -> None:

@@ -12,7 +12,7 @@ from helpers import as_dataset, sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._tune import Setting, accepted_knobs, measure
+from nostall._tune import Setting, accepted_knobs, loader_kwargs, measure
 
 
 class Sleepy(Dataset[torch.Tensor]):
@@ -62,6 +62,46 @@ def test_accepted_knobs() -> None:
         accepted_knobs(anything)
     )
     assert set() == accepted_knobs(lambda: [])
+
+
+def worker_defaults(
+    num_workers: int = 2,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool = True,
+) -> DataLoader[torch.Tensor]:
+    """An ordinary factory whose defaults are for worker processes."""
+    return DataLoader(
+        Sleepy(400, delay=0.0),
+        batch_size=8,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+    )
+
+
+def test_num_workers_zero_resets_the_arguments_a_dataloader_forbids_without_workers() -> None:
+    """num_workers=0 goes with prefetch_factor=None and persistent_workers=False."""
+    cpu = torch.device("cpu")
+    assert {
+        "num_workers": 0,
+        "persistent_workers": False,
+        "prefetch_factor": None,
+        "pin_memory": False,
+    } == loader_kwargs(worker_defaults, Setting(0, 2), cpu)
+    assert {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2} == {
+        k: v
+        for k, v in loader_kwargs(worker_defaults, Setting(2, 2), cpu).items()
+        if k != "pin_memory"
+    }
+
+
+def test_tune_tries_num_workers_zero_on_a_factory_with_worker_defaults() -> None:
+    """The num_workers=0 trial builds a loader the DataLoader accepts (no prefetch_factor=2)."""
+    result = nostall.tune(worker_defaults, max_batches=40, device="cpu", max_workers=0)
+    assert Setting(0, 2) == result.curve[0][0]
+    assert result.curve[0][1] > 0
 
 
 def test_measure_skips_start_up_and_counts_samples() -> None:

@@ -109,15 +109,23 @@ def build(factory: Factory, setting: Setting, device: torch.device) -> Iterable[
 
 
 def loader_kwargs(factory: Factory, setting: Setting, device: torch.device) -> dict[str, Any]:
-    """The keyword arguments :func:`build` passes to ``factory`` for ``setting``."""
+    """The keyword arguments :func:`build` passes to ``factory`` for ``setting``.
+
+    Every knob that depends on ``num_workers`` is passed with it, so that the factory's own
+    defaults for worker processes never meet ``num_workers=0``: a DataLoader refuses
+    ``prefetch_factor`` (anything but None) and ``persistent_workers=True`` without workers,
+    and ``make_loader(num_workers=2, prefetch_factor=2, persistent_workers=True)`` is an
+    ordinary factory.
+    """
     knobs = accepted_knobs(factory)
     kwargs: dict[str, Any] = {}
     if setting.num_workers is not None and "num_workers" in knobs:
+        workers = setting.num_workers > 0
         kwargs["num_workers"] = setting.num_workers
         if "persistent_workers" in knobs:
-            kwargs["persistent_workers"] = setting.num_workers > 0
-        if "prefetch_factor" in knobs and setting.num_workers > 0:
-            kwargs["prefetch_factor"] = 2
+            kwargs["persistent_workers"] = workers
+        if "prefetch_factor" in knobs:
+            kwargs["prefetch_factor"] = 2 if workers else None
     if "pin_memory" in knobs:
         kwargs["pin_memory"] = device.type == "cuda"
     return kwargs
