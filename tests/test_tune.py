@@ -12,7 +12,9 @@ from helpers import as_dataset, sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._tune import Setting, accepted_knobs, loader_kwargs, measure
+from nostall import _tune
+from nostall._timing import Measured
+from nostall._tune import YOURS, Setting, accepted_knobs, loader_kwargs, measure
 
 
 class Sleepy(Dataset[torch.Tensor]):
@@ -192,9 +194,81 @@ def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
     def quick() -> DataLoader[torch.Tensor]:
         return DataLoader(Sleepy(400, delay=0.0), batch_size=8)
 
-    result = nostall.tune(quick, max_batches=max_batches, device="cpu")
+    result = nostall.tune(quick, max_batches=max_batches, device="cpu", repeats=1)
     assert 14 <= result.batches_spent <= max_batches
     assert len(result.curve) == 1 + (max_batches >= 14 + 1 + 14)
+
+
+class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A stream: threads are not tried on it, so the search is workers and depth only."""
+
+    def __iter__(self) -> Any:
+        return (torch.zeros(4) for _ in range(10_000))
+
+
+def streaming(num_workers: int = 0) -> DataLoader[torch.Tensor]:
+    return DataLoader(Stream(), batch_size=2, num_workers=num_workers)
+
+
+def scripted(monkeypatch: pytest.MonkeyPatch, runs: dict[Setting, list[float]]) -> list[Setting]:
+    """Make every run of a setting give its next value in ``runs`` (10 when not listed).
+
+    Returns the settings in the order they were run.
+    """
+    order: list[Setting] = []
+
+    def fake_measure(
+        factory: Any, setting: Setting, device: torch.device, *, batches: int, **_: Any
+    ) -> tuple[float, int]:
+        values = runs.get(setting, [10.0])
+        order.append(setting)
+        return values[min(order.count(setting), len(values)) - 1], batches + 2
+
+    monkeypatch.setattr(_tune, "measure", fake_measure)
+    return order
+
+
+def test_tune_picks_on_the_medians_of_the_leading_settings_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lucky single trial (300, then 90-100) loses to a setting that holds 150 run after run."""
+    order = scripted(
+        monkeypatch,
+        {
+            Setting(0, 2): [100.0, 150.0, 150.0, 150.0],
+            Setting(2, 2): [300.0, 90.0, 100.0, 95.0],
+            YOURS: [80.0, 70.0, 90.0],
+        },
+    )
+    result = nostall.tune(streaming, max_batches=300, device="cpu", max_workers=2)
+    assert Setting(0, 2) == result.best
+    assert Measured((150.0, 150.0, 150.0)) == result.rate
+    assert 150.0 == result.samples_per_s
+    assert Measured((80.0, 70.0, 90.0)) == result.yours
+    assert Measured((90.0, 100.0, 95.0)) == result.measured(Setting(2, 2))
+    assert [Setting(2, 2), Setting(0, 2), YOURS] * 3 == order[-9:]  # taking turns
+    assert result.batches_spent <= 300
+
+
+def test_tune_with_one_repeat_picks_on_single_trials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """repeats=1: nothing measured again; the rate is the one trial, and says so."""
+    scripted(monkeypatch, {Setting(0, 2): [100.0], Setting(2, 2): [300.0]})
+    result = nostall.tune(streaming, max_batches=300, device="cpu", max_workers=2, repeats=1)
+    assert Setting(2, 2) == result.best
+    assert [] == result.confirmed
+    assert result.yours is None
+    assert 1 == result.rate.n
+
+
+def test_tune_keeps_room_in_max_batches_for_measuring_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search stops early enough for 3 settings x 3 runs x 14 batches within max_batches."""
+    scripted(monkeypatch, {Setting(0, 2): [100.0], Setting(2, 2): [200.0], Setting(4, 2): [400.0]})
+    result = nostall.tune(streaming, max_batches=14 + 14 + 126, device="cpu", max_workers=4)
+    assert [Setting(0, 2), Setting(2, 2)] == [s for s, _ in result.curve]
+    assert 3 == len(result.confirmed)
+    assert 14 + 14 + 126 == result.batches_spent
 
 
 @pytest.mark.parametrize(
@@ -211,6 +285,8 @@ def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
         ({"threshold": float("nan")}, ValueError, "nostall.tune(threshold=...) must be"),
         ({"step": "train:step"}, TypeError, "nostall.tune(step=...) must be a function or None"),
         ({"device": "nonsense"}, ValueError, "device='nonsense' does not name a device"),
+        ({"repeats": 0}, ValueError, "nostall.tune(repeats=...) must be >= 1"),
+        ({"repeats": 2.0}, TypeError, "nostall.tune(repeats=...) must be an int >= 1"),
     ],
 )
 def test_tune_checks_its_arguments(
