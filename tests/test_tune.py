@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import as_dataset, sqlite_loader
+from helpers import as_dataset, scripted, sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall import _tune
 from nostall._timing import Measured
 from nostall._tune import YOURS, Setting, accepted_knobs, loader_kwargs, measure
 
@@ -208,24 +207,6 @@ class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
 
 def streaming(num_workers: int = 0) -> DataLoader[torch.Tensor]:
     return DataLoader(Stream(), batch_size=2, num_workers=num_workers)
-
-
-def scripted(monkeypatch: pytest.MonkeyPatch, runs: dict[Setting, list[float]]) -> list[Setting]:
-    """Make every run of a setting give its next value in ``runs`` (10 when not listed).
-
-    Returns the settings in the order they were run.
-    """
-    order: list[Setting] = []
-
-    def fake_measure(
-        factory: Any, setting: Setting, device: torch.device, *, batches: int, **_: Any
-    ) -> tuple[float, int]:
-        values = runs.get(setting, [10.0])
-        order.append(setting)
-        return values[min(order.count(setting), len(values)) - 1], batches + 2
-
-    monkeypatch.setattr(_tune, "measure", fake_measure)
-    return order
 
 
 def test_tune_picks_on_the_medians_of_the_leading_settings_measured_again(

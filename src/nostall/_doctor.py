@@ -25,13 +25,23 @@ import torch
 
 from . import _arguments
 from ._device import DeviceLike, resolve_data_device
-from ._diagnosis import Diagnosis
+from ._diagnosis import Diagnosis, draws_line, per_s
 from ._exceptions import ConfigurationError
 from ._specs import checked_factory
 from ._timing import Measured, synchronize
 from ._transfer import to_device
 from ._tree import batch_size_of
-from ._tune import YOURS, Factory, Setting, Step, Transform, loader_kwargs, measure, tune
+from ._tune import (
+    YOURS,
+    Factory,
+    Setting,
+    Step,
+    Transform,
+    TuneResult,
+    loader_kwargs,
+    measure,
+    tune,
+)
 
 DEFAULT = YOURS
 
@@ -247,6 +257,42 @@ def recommend(
             f"    for batch in nostall.prefetch(loader, {str(device)!r}, depth={setting.depth}"
             f"{threads}{extra}):"
         )
+    return "\n".join(lines)
+
+
+def tune_summary(
+    result: TuneResult, factory: Factory, device: Any, transform: Transform | None = None
+) -> str:
+    """What ``nostall tune`` prints: the best found beside the loop as built, and the code.
+
+    The same rule as the doctor's: the code to paste only where the best is measurably faster
+    than the loop as built (:attr:`TuneResult.speedup`); otherwise what the figures allow.
+    """
+    rate = result.rate
+    lines = [f"best found: {result.best.describe()}, {per_s(rate)}."]
+    yours = result.yours
+    if yours is None:
+        lines.append(
+            "your loop as built was not measured beside it (--repeats 1, or a --max-batches "
+            "too small to measure again): cannot tell whether the best found is faster."
+        )
+    else:
+        lines.append(f"yours, as built ({YOURS.describe()}): {per_s(yours)}.")
+        speedup = result.speedup
+        if speedup is not None:
+            code = recommend(factory, result.best, device, transform, result.drew)
+            lines.append(f"measurably faster: {speedup:.2f}x yours. change your code to:\n{code}")
+        elif rate.high < yours.low:
+            lines.append("your loop as built ran faster than every setting tried: keep it.")
+        else:
+            lines.append(
+                "no setting is measurably faster: the best found ran within the spread of "
+                "yours; keep yours."
+            )
+    if result.drew:
+        lines.append(draws_line(result.drew))
+    if result.thread_safety is not None:
+        lines.append(result.thread_safety.describe())
     return "\n".join(lines)
 
 

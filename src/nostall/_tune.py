@@ -12,11 +12,9 @@ the best is chosen on those medians.
 
 from __future__ import annotations
 
-import inspect
 import os
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,48 +26,24 @@ from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
-from ._global_draws import draws_of, unreported
-from ._prefetcher import prefetch
+from ._global_draws import draws_of
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threads import check_threadable
-from ._timing import Measured, synchronize
-from ._transfer import to_device
-from ._tree import batch_size_of
-
-Factory = Callable[..., Iterable[Any]]
-Step = Callable[[Any], Any]
-Transform = Callable[[Any], Any]
-
-LOADER_KNOBS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+from ._timing import Measured
+from ._trial import LOADER_KNOBS as LOADER_KNOBS
+from ._trial import YOURS as YOURS
+from ._trial import Factory as Factory
+from ._trial import Setting as Setting
+from ._trial import Step as Step
+from ._trial import Transform as Transform
+from ._trial import accepted_knobs as accepted_knobs
+from ._trial import build as build
+from ._trial import loader_kwargs as loader_kwargs
+from ._trial import measure as measure
 
 #: How many of the search's best trials are measured again, with repeats, before one is chosen.
 FINALISTS = 2
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One way to build and feed the loader."""
-
-    num_workers: int | None  # None: the factory's own choice (it takes no num_workers)
-    depth: int | None  # None: no nostall.prefetch, batches moved in the loop
-    threads: int | None = None  # nostall.prefetch(threads=...) with num_workers=0
-
-    def describe(self) -> str:
-        """Plain words, as the doctor prints them."""
-        workers = (
-            "the factory's num_workers"
-            if self.num_workers is None
-            else (f"num_workers={self.num_workers}")
-        )
-        feed = "no prefetcher" if self.depth is None else f"nostall.prefetch depth={self.depth}"
-        if self.threads is not None:
-            feed += f" threads={self.threads}"
-        return f"{workers}, {feed}"
-
-
-#: The loop as the user runs it now: the factory's own settings, batches moved in the loop.
-YOURS = Setting(None, None)
 
 
 @dataclass
@@ -105,6 +79,18 @@ class TuneResult:
         """The loop as built, measured beside the leading settings (None: it was not)."""
         return self.measured(YOURS)
 
+    @property
+    def speedup(self) -> float | None:
+        """The best's median over the loop as built's, when measurably faster, else None.
+
+        Measurably: both measured more than once, and the best's slowest run beat the loop
+        as built's fastest (one run has no spread, so it never shows a speed-up).
+        """
+        yours, rate = self.yours, self.rate
+        if yours is None or min(rate.n, yours.n) < 2 or rate.low <= yours.high:
+            return None
+        return rate.median / yours.median
+
     def measured(self, setting: Setting) -> Measured | None:
         """The runs of ``setting`` measured again after the search (None: it was not)."""
         return next((rate for s, rate in self.confirmed if s == setting), None)
@@ -116,6 +102,8 @@ class TuneResult:
             "best": asdict(self.best),
             "samples_per_s": self.samples_per_s,
             "rate": self.rate.to_dict(),
+            "yours": None if self.yours is None else self.yours.to_dict(),
+            "speedup": self.speedup,
             "batches_spent": self.batches_spent,
             "curve": [{**asdict(s), "samples_per_s": r} for s, r in self.curve],
             "confirmed": [
@@ -125,101 +113,6 @@ class TuneResult:
             "thread_safety": None if safety is None else asdict(safety),
             "drew": list(self.drew),
         }
-
-
-def accepted_knobs(factory: Factory) -> set[str]:
-    """Which loader settings ``factory`` takes as keyword arguments."""
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return set(LOADER_KNOBS)
-    names = {p.name for p in parameters}
-    return {knob for knob in LOADER_KNOBS if knob in names}
-
-
-def build(factory: Factory, setting: Setting, device: torch.device) -> Iterable[Any]:
-    """The loader for ``setting``, passing only the settings ``factory`` accepts."""
-    return factory(**loader_kwargs(factory, setting, device))
-
-
-def loader_kwargs(factory: Factory, setting: Setting, device: torch.device) -> dict[str, Any]:
-    """The keyword arguments :func:`build` passes to ``factory`` for ``setting``.
-
-    Every knob that depends on ``num_workers`` is passed with it, so that the factory's own
-    defaults for worker processes never meet ``num_workers=0``: a DataLoader refuses
-    ``prefetch_factor`` (anything but None) and ``persistent_workers=True`` without workers,
-    and ``make_loader(num_workers=2, prefetch_factor=2, persistent_workers=True)`` is an
-    ordinary factory.
-    """
-    knobs = accepted_knobs(factory)
-    kwargs: dict[str, Any] = {}
-    if setting.num_workers is not None and "num_workers" in knobs:
-        workers = setting.num_workers > 0
-        kwargs["num_workers"] = setting.num_workers
-        if "persistent_workers" in knobs:
-            kwargs["persistent_workers"] = workers
-        if "prefetch_factor" in knobs:
-            kwargs["prefetch_factor"] = 2 if workers else None
-    if "pin_memory" in knobs:
-        kwargs["pin_memory"] = device.type == "cuda"
-    return kwargs
-
-
-def measure(
-    factory: Factory,
-    setting: Setting,
-    device: torch.device,
-    *,
-    batches: int,
-    warmup: int = 2,
-    step: Step | None = None,
-    transform: Transform | None = None,
-) -> tuple[float, int]:
-    """Samples/s of the loop with ``setting`` (the step included when given), and batches used.
-
-    The first ``warmup`` batches (worker start-up) are pulled but not timed. ``transform`` is
-    applied as the user's pipeline applies it: by ``nostall.prefetch(transform=...)``, or in the
-    loop after the batch was moved when the setting has no prefetcher.
-    """
-    loader = build(factory, setting, device)
-    feed: Iterable[Any]
-    if setting.depth is not None:
-        feed = prefetch(
-            loader, device, depth=setting.depth, transform=transform, threads=setting.threads
-        )
-    else:
-        moved = (to_device(b, device, non_blocking=device.type == "cuda") for b in loader)
-        feed = moved if transform is None else (transform(b) for b in moved)
-    it = iter(feed)
-    used = 0
-    samples = 0
-    start = 0.0
-    # A source drawing from the global generators is loaded in step, as the user's own
-    # prefetcher would load it; tune says so in its result, not with a warning per trial.
-    with unreported():
-        try:
-            for batch in it:
-                if step is not None:
-                    step(batch)
-                used += 1
-                if used == warmup:
-                    synchronize(device)
-                    start = time.perf_counter()
-                elif used > warmup:
-                    samples += batch_size_of(batch) or 1
-                if used >= warmup + batches:
-                    break
-            synchronize(device)
-            elapsed = time.perf_counter() - start
-        finally:
-            close = getattr(feed, "close", None)
-            if callable(close):
-                close()
-    if used <= warmup or elapsed <= 0:
-        return 0.0, used
-    return samples / elapsed, used
 
 
 def tune(
