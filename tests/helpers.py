@@ -18,6 +18,7 @@ import torch.utils.data
 
 if TYPE_CHECKING:
     from nostall._diagnosis import Diagnosis
+    from nostall._tune import Setting
 
 #: The repository root: scripts and examples are named from it, and subprocesses run in it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,13 +299,35 @@ def assert_honest(diagnosis: Diagnosis) -> None:
     assert "inf" not in text
     speedup = diagnosis.speedup
     if speedup is None:
-        assert "no setting is measurably faster" in text
+        assert not any(line.startswith("measurably faster:") for line in text.splitlines())
         assert "change your code" not in text
+        assert diagnosis.to_dict()["code"] is None
     else:
         assert diagnosis.best[1].low > diagnosis.as_built.high
         assert speedup > 1
         assert f"{speedup:.2f}x yours" in text
         assert diagnosis.code in text
+
+
+def scripted(monkeypatch: Any, runs: dict[Setting, list[float]]) -> list[Setting]:
+    """Make every run nostall.tune measures of a setting give its next value in ``runs``.
+
+    ``monkeypatch`` is pytest's fixture. A setting not listed gives 10 samples/s; past its
+    list, a setting repeats its last value. Returns the settings in the order they were run.
+    """
+    from nostall import _tune
+
+    order: list[Setting] = []
+
+    def fake_measure(
+        factory: Any, setting: Setting, device: torch.device, *, batches: int, **_: Any
+    ) -> tuple[float, int]:
+        values = runs.get(setting, [10.0])
+        order.append(setting)
+        return values[min(order.count(setting), len(values)) - 1], batches + 2
+
+    monkeypatch.setattr(_tune, "measure", fake_measure)
+    return order
 
 
 def bench_result(values: dict[tuple[str, str, str, str], list[float]], load: float = 0.2) -> Any:

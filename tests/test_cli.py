@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scripted
 
 from nostall._cli import main
+from nostall._tune import YOURS, Setting
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,3 +264,94 @@ def test_doctor_on_a_dataset_bound_to_its_thread_says_why_in_one_line(tmp_path: 
         "but raised ProgrammingError"
     )
     assert "check_same_thread=False" in lines[0]
+
+
+STREAM_LOADER = """
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return (torch.zeros(4) for _ in range(10_000))
+
+def make_loader(num_workers=0, prefetch_factor=None, persistent_workers=False):
+    return DataLoader(Stream(), batch_size=2, num_workers=num_workers,
+                      prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+"""
+
+
+@pytest.fixture
+def stream_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A user's module with a streaming loader (no threads tried), importable as stream_train."""
+    (tmp_path / "stream_train.py").write_text(STREAM_LOADER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stream_train", raising=False)
+    return "stream_train:make_loader"
+
+
+def test_tune_prints_the_best_setting_as_code_beside_yours(
+    stream_module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nostall tune: the best with its spread, yours with its spread, the code to paste."""
+    scripted(
+        monkeypatch,
+        {Setting(0, 2): [100.0, 150.0, 140.0, 160.0], YOURS: [80.0, 70.0, 90.0]},
+    )
+    argv = ["tune", stream_module, "--device", "cpu", "--no-progress"]
+    assert 0 == main(argv)
+    out = capsys.readouterr().out.splitlines()
+    assert [
+        "best found: num_workers=0, nostall.prefetch depth=2, 150 samples/s (140-160 over 3 runs).",
+        "yours, as built (the factory's num_workers, no prefetcher): 80 samples/s (70-90 over 3 "
+        "runs).",
+        "measurably faster: 1.88x yours. change your code to:",
+        "    loader = make_loader(num_workers=0, persistent_workers=False, prefetch_factor=None)",
+        "    for batch in nostall.prefetch(loader, 'cpu', depth=2):",
+    ] == out[:5]
+
+
+def test_tune_with_one_repeat_says_it_cannot_tell(
+    stream_module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--repeats 1: the best found in one run, no code, and why."""
+    scripted(monkeypatch, {Setting(0, 2): [150.0], YOURS: [80.0]})
+    assert 0 == main(["tune", stream_module, "--device", "cpu", "--no-progress", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "150 samples/s (one run)" in out
+    assert "cannot tell whether the best found is faster" in out
+    assert "change your code" not in out
+
+
+def test_tune_says_when_yours_ran_faster(
+    stream_module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scripted(monkeypatch, {Setting(0, 2): [100.0, 50.0, 55.0, 60.0], YOURS: [200.0, 210.0, 190.0]})
+    assert 0 == main(["tune", stream_module, "--device", "cpu", "--no-progress"])
+    out = capsys.readouterr().out
+    assert "your loop as built ran faster than every setting tried: keep it." in out
+    assert "change your code" not in out
+
+
+def test_tune_help_and_json(
+    stream_module: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """tune --help lists its flags; --json holds the best with its runs and yours."""
+    import json
+
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--help"])
+    assert 0 == info.value.code
+    text = capsys.readouterr().out
+    for flag in ("MODULE:FACTORY", "--step", "--transform", "--repeats", "--max-batches", "--json"):
+        assert flag in text
+    scripted(monkeypatch, {Setting(0, 2): [100.0, 150.0, 140.0, 160.0], YOURS: [80.0]})
+    path = tmp_path / "tune.json"
+    assert 0 == main(
+        ["tune", stream_module, "--device", "cpu", "--no-progress", "--json", str(path)]
+    )
+    figures = json.loads(path.read_text())
+    assert [140.0, 150.0, 160.0] == sorted(figures["rate"]["runs"])
+    assert 80.0 == figures["yours"]["median"]

@@ -11,7 +11,7 @@ import json
 import pytest
 from helpers import assert_honest
 
-from nostall._diagnosis import Diagnosis
+from nostall._diagnosis import BUSY, ONE_RUN, Diagnosis, bound
 from nostall._thread_safety import ThreadSafety
 from nostall._timing import Measured
 from nostall._tune import Setting, TuneResult
@@ -22,7 +22,8 @@ def _diagnosis(as_built: tuple[float, ...], best: tuple[float, ...]) -> Diagnosi
     theirs = (Setting(2, None), Measured(tuple(r / 2 for r in best)))
     search = TuneResult(Setting(2, 4), best[0], [(Setting(0, 2), as_built[0])], 14)
     loop = Measured(as_built)
-    diagnosis = Diagnosis(loop, 900.0, loop, search, ours, theirs, "cpu")
+    step = Measured((900.0, 900.0, 900.0))
+    diagnosis = Diagnosis(loop, step, loop, search, ours, theirs, "cpu")
     diagnosis.code = "    loader = make_loader(num_workers=2)"
     return diagnosis
 
@@ -109,3 +110,106 @@ def test_the_diagnosis_says_what_the_thread_safety_check_found() -> None:
     safety = diagnosis.to_dict()["tune"]["thread_safety"]
     assert ("differed", [8, 15]) == (safety["verdict"], list(safety["differed"]))
     json.dumps(diagnosis.to_dict())  # --json writes it
+
+
+def _figures(
+    load: tuple[float, ...], step: tuple[float, ...], loop: tuple[float, ...]
+) -> Diagnosis:
+    """Loading alone, the step alone, and every loop (as built, and the best found) at ``loop``."""
+    rate = Measured(loop)
+    search = TuneResult(Setting(2, 4), loop[0], [(Setting(0, 2), loop[0])], 14)
+    return Diagnosis(
+        Measured(load),
+        Measured(step),
+        rate,
+        search,
+        (Setting(2, 4), rate),
+        (Setting(2, None), rate),
+        "cpu",
+    )
+
+
+def test_loading_slower_than_the_step_in_every_run_is_input_bound() -> None:
+    assert "input-bound" == bound(Measured((100.0, 105.0, 110.0)), Measured((200.0, 210.0)), [])
+
+
+def test_loading_faster_than_the_step_in_every_run_is_compute_bound() -> None:
+    assert "compute-bound" == bound(Measured((300.0, 310.0)), Measured((100.0, 105.0)), [])
+
+
+def test_close_figures_with_narrow_spreads_are_balanced() -> None:
+    assert "balanced" == bound(Measured((100.0, 105.0, 110.0)), Measured((104.0, 112.0)), [])
+
+
+def test_spreads_too_wide_to_call_are_too_busy_to_judge() -> None:
+    """Loading 50-200, the step 90-150: the spread is wider than any difference it could show."""
+    assert BUSY == bound(Measured((50.0, 100.0, 200.0)), Measured((90.0, 120.0, 150.0)), [])
+
+
+def test_a_machine_with_more_load_than_cores_is_too_busy_to_judge() -> None:
+    load, step = Measured((100.0, 105.0)), Measured((200.0, 210.0))
+    assert BUSY == bound(load, step, [], load_average=5.2, cores=2)
+    assert "input-bound" == bound(load, step, [], load_average=1.5, cores=2)
+
+
+def test_one_run_of_each_cannot_tell_the_bound() -> None:
+    assert ONE_RUN == bound(Measured((100.0,)), Measured((200.0,)), [])
+
+
+def test_without_a_step_the_bound_is_unknown() -> None:
+    assert bound(Measured((100.0, 110.0)), None, []).startswith("unknown")
+
+
+def test_a_loop_faster_than_the_step_alone_is_too_busy_to_judge() -> None:
+    """The README's example: a loop at 962 samples/s with the step alone at 170 cannot be."""
+    diagnosis = _figures(
+        load=(1000.0, 1100.0, 1200.0), step=(160.0, 170.0, 180.0), loop=(950.0, 962.0, 980.0)
+    )
+    text = diagnosis.summary()
+    assert text.startswith("too busy to judge: loading alone")
+    assert (
+        "faster than the step alone (170 samples/s (160-180 over 3 runs)), which cannot be" in text
+    )
+    assert "the step is the bottleneck" not in text
+
+
+def test_the_step_is_the_bottleneck_only_where_no_loop_outran_it() -> None:
+    diagnosis = _figures(
+        load=(1000.0, 1100.0, 1200.0), step=(160.0, 170.0, 180.0), loop=(150.0, 160.0, 170.0)
+    )
+    assert "compute-bound" == diagnosis.bound
+    assert "the step is the bottleneck" in diagnosis.summary()
+    assert "cannot be" not in diagnosis.summary()
+
+
+def test_a_best_slower_than_yours_says_yours_is_the_best_found() -> None:
+    """Not "within the spread of yours" when the best found was 4x slower; no code to paste."""
+    diagnosis = _diagnosis(as_built=(400.0, 410.0, 420.0), best=(100.0, 105.0, 110.0))
+    text = diagnosis.summary()
+    assert "your loop as built is the best found: no setting tried ran as fast" in text
+    assert "within the spread" not in text
+    assert diagnosis.to_dict()["code"] is None
+    assert_honest(diagnosis)
+
+
+def test_one_run_claims_no_speed_up() -> None:
+    """--repeats 1: 1.06x in one run each is not "measurably faster"; it says it cannot tell."""
+    diagnosis = _diagnosis(as_built=(100.0,), best=(106.0,))
+    assert diagnosis.speedup is None
+    text = diagnosis.summary()
+    assert "measurably faster" not in text
+    assert "cannot tell from one run whether num_workers=2, nostall.prefetch depth=4" in text
+    assert diagnosis.to_dict()["code"] is None
+    assert_honest(diagnosis)
+
+
+def test_the_summary_says_the_load_it_was_measured_under() -> None:
+    diagnosis = _diagnosis(as_built=(100.0, 120.0, 110.0), best=(230.0, 220.0, 240.0))
+    diagnosis.load_average, diagnosis.cores, diagnosis.threads = 0.5, 2, 2
+    line = "machine: load average up to 0.5 on 2 cores; the step ran with 2 threads."
+    assert line in diagnosis.summary().splitlines()
+    assert "input-bound" == diagnosis.bound
+    diagnosis.load_average = 5.2
+    assert diagnosis.summary().startswith("too busy to judge: ")
+    assert "run again when the machine is quieter" in diagnosis.summary()
+    assert (5.2, 2) == (diagnosis.to_dict()["load_average"], diagnosis.to_dict()["cores"])

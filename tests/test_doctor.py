@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_honest
+from helpers import as_dataset, assert_honest
 
+from nostall import _doctor, _tune
 from nostall._cli import main
 from nostall._doctor import diagnose, recommend
 from nostall._exceptions import ConfigurationError
@@ -50,6 +51,11 @@ model = torch.nn.Linear(16, 3)
 def step(batch):
     x, y = batch
     torch.nn.functional.cross_entropy(model(x), y).backward()
+
+def make_worker_loader(num_workers=2, pin_memory=False, prefetch_factor=2, persistent_workers=True):
+    # Defaults for worker processes: a DataLoader refuses prefetch_factor=2 with num_workers=0.
+    return DataLoader(Slow(), batch_size=8, num_workers=num_workers, pin_memory=pin_memory,
+                      prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
 
 CONSTANT = 3
 
@@ -140,9 +146,15 @@ def test_diagnosis_has_every_part(user_module: str) -> None:
         repeats=2,
         progress=lambda phase, done: seen.append((phase, done)),
     )
-    assert diagnosis.bound in ("input-bound", "compute-bound", "balanced")
+    verdicts = ("input-bound", "compute-bound", "balanced", "too busy to judge")
+    assert diagnosis.bound in verdicts
     assert diagnosis.step_rate is not None
-    assert diagnosis.step_rate > 0
+    assert 2 == diagnosis.step_rate.n  # the step alone, measured as often as the loader
+    assert diagnosis.step_rate.low > 0
+    assert torch.get_num_threads() == diagnosis.threads
+    assert diagnosis.cores == os.cpu_count()
+    assert diagnosis.load_average is not None
+    assert f"load average up to {diagnosis.load_average:.1f}" in diagnosis.summary()
     rates = (diagnosis.load, diagnosis.as_built, diagnosis.with_nostall[1])
     for rate in (*rates, diagnosis.without_nostall[1]):
         assert len(rate.runs) == 2
@@ -158,6 +170,57 @@ def test_diagnosis_has_every_part(user_module: str) -> None:
     shares = [done for _, done in seen]
     assert shares == sorted(shares)  # the bar only moves forward
     assert shares[-1] == 1.0
+
+
+def test_the_doctor_tries_num_workers_zero_on_a_factory_with_worker_defaults(
+    user_module: str,
+) -> None:
+    """A factory whose defaults are for worker processes is measured at num_workers=0 too."""
+    factory = load_callable(f"{user_module}:make_worker_loader", "factory")
+    diagnosis = diagnose(factory, device="cpu", max_batches=30, repeats=1)
+    assert Setting(0, 2) == diagnosis.search.curve[0][0]
+    if diagnosis.best[0].num_workers == 0:
+        assert "prefetch_factor=None" in diagnosis.code
+
+
+def test_loading_alone_and_the_step_alone_take_turns_at_the_loops_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run for run, the loader alone then the step alone, with the caller's intra-op threads."""
+    events: list[object] = []
+    inside = []
+    real = _tune.measure
+
+    def measure(*args: Any, **kwargs: Any) -> tuple[float, int]:
+        inside.append(1)
+        try:
+            if kwargs.get("step") is None:
+                events.append("load")
+            return real(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def step(batch: Any) -> None:
+        if not inside:
+            events.append(("step", torch.get_num_threads()))
+
+    def make_loader(num_workers: int = 0) -> torch.utils.data.DataLoader[torch.Tensor]:
+        return torch.utils.data.DataLoader(as_dataset(torch.zeros(64, 4)), batch_size=4)
+
+    monkeypatch.setattr(_doctor, "measure", measure)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the user's loop runs with one intra-op thread
+    try:
+        diagnosis = diagnose(make_loader, step=step, device="cpu", max_batches=20, repeats=3)
+    finally:
+        torch.set_num_threads(before)
+    turns = [e if e == "load" else "step" for e in events]
+    runs = [e for i, e in enumerate(turns) if i == 0 or turns[i - 1] != e]
+    assert ["load", "step"] * 3 == runs[:6]
+    assert {("step", 1)} == {e for e in events if e != "load"}
+    assert 1 == diagnosis.threads
+    assert diagnosis.step_rate is not None
+    assert 3 == diagnosis.step_rate.n
 
 
 def test_the_recommendation_is_the_code_to_write() -> None:
@@ -195,7 +258,7 @@ def test_the_transform_is_measured_with_the_pipeline(user_module: str) -> None:
     diagnosis = diagnose(factory, device="cpu", max_batches=20, repeats=1, transform=halve)
     module = sys.modules[user_module]
     assert len(module.transformed) > 0  # the runs and the search applied it
-    if diagnosis.best[0].depth is not None:
+    if diagnosis.code and diagnosis.best[0].depth is not None:
         assert "transform=halve" in diagnosis.code
 
 
@@ -207,7 +270,7 @@ def test_diagnosis_of_a_slow_loader(user_module: str) -> None:
     diagnosis = diagnose(factory, step=step, device="cpu", max_batches=120)
     assert "input-bound" == diagnosis.bound
     assert diagnosis.step_rate is not None
-    assert diagnosis.load.median < diagnosis.step_rate
+    assert diagnosis.load.median < diagnosis.step_rate.median
     assert diagnosis.speedup is not None
     assert diagnosis.speedup > 1.3  # two workers where the factory used none
     assert 2 == diagnosis.best[0].num_workers
@@ -552,5 +615,5 @@ def test_the_doctor_never_recommends_threads_for_a_loader_drawing_from_the_globa
         summary
     )
     assert "thread safety: not checked, and threads not tried" in summary
-    if diagnosis.best[0].num_workers not in (None, 0):
+    if diagnosis.code and diagnosis.best[0].num_workers not in (None, 0):
         assert "# NOTE: this changes the random draws your model sees" in diagnosis.code

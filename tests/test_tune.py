@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import as_dataset, sqlite_loader
+from helpers import as_dataset, scripted, sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._tune import Setting, accepted_knobs, measure
+from nostall._timing import Measured
+from nostall._tune import YOURS, Setting, accepted_knobs, loader_kwargs, measure
 
 
 class Sleepy(Dataset[torch.Tensor]):
@@ -62,6 +63,46 @@ def test_accepted_knobs() -> None:
         accepted_knobs(anything)
     )
     assert set() == accepted_knobs(lambda: [])
+
+
+def worker_defaults(
+    num_workers: int = 2,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool = True,
+) -> DataLoader[torch.Tensor]:
+    """An ordinary factory whose defaults are for worker processes."""
+    return DataLoader(
+        Sleepy(400, delay=0.0),
+        batch_size=8,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+    )
+
+
+def test_num_workers_zero_resets_the_arguments_a_dataloader_forbids_without_workers() -> None:
+    """num_workers=0 goes with prefetch_factor=None and persistent_workers=False."""
+    cpu = torch.device("cpu")
+    assert {
+        "num_workers": 0,
+        "persistent_workers": False,
+        "prefetch_factor": None,
+        "pin_memory": False,
+    } == loader_kwargs(worker_defaults, Setting(0, 2), cpu)
+    assert {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2} == {
+        k: v
+        for k, v in loader_kwargs(worker_defaults, Setting(2, 2), cpu).items()
+        if k != "pin_memory"
+    }
+
+
+def test_tune_tries_num_workers_zero_on_a_factory_with_worker_defaults() -> None:
+    """The num_workers=0 trial builds a loader the DataLoader accepts (no prefetch_factor=2)."""
+    result = nostall.tune(worker_defaults, max_batches=40, device="cpu", max_workers=0)
+    assert Setting(0, 2) == result.curve[0][0]
+    assert result.curve[0][1] > 0
 
 
 def test_measure_skips_start_up_and_counts_samples() -> None:
@@ -152,9 +193,63 @@ def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
     def quick() -> DataLoader[torch.Tensor]:
         return DataLoader(Sleepy(400, delay=0.0), batch_size=8)
 
-    result = nostall.tune(quick, max_batches=max_batches, device="cpu")
+    result = nostall.tune(quick, max_batches=max_batches, device="cpu", repeats=1)
     assert 14 <= result.batches_spent <= max_batches
     assert len(result.curve) == 1 + (max_batches >= 14 + 1 + 14)
+
+
+class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A stream: threads are not tried on it, so the search is workers and depth only."""
+
+    def __iter__(self) -> Any:
+        return (torch.zeros(4) for _ in range(10_000))
+
+
+def streaming(num_workers: int = 0) -> DataLoader[torch.Tensor]:
+    return DataLoader(Stream(), batch_size=2, num_workers=num_workers)
+
+
+def test_tune_picks_on_the_medians_of_the_leading_settings_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lucky single trial (300, then 90-100) loses to a setting that holds 150 run after run."""
+    order = scripted(
+        monkeypatch,
+        {
+            Setting(0, 2): [100.0, 150.0, 150.0, 150.0],
+            Setting(2, 2): [300.0, 90.0, 100.0, 95.0],
+            YOURS: [80.0, 70.0, 90.0],
+        },
+    )
+    result = nostall.tune(streaming, max_batches=300, device="cpu", max_workers=2)
+    assert Setting(0, 2) == result.best
+    assert Measured((150.0, 150.0, 150.0)) == result.rate
+    assert 150.0 == result.samples_per_s
+    assert Measured((80.0, 70.0, 90.0)) == result.yours
+    assert Measured((90.0, 100.0, 95.0)) == result.measured(Setting(2, 2))
+    assert [Setting(2, 2), Setting(0, 2), YOURS] * 3 == order[-9:]  # taking turns
+    assert result.batches_spent <= 300
+
+
+def test_tune_with_one_repeat_picks_on_single_trials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """repeats=1: nothing measured again; the rate is the one trial, and says so."""
+    scripted(monkeypatch, {Setting(0, 2): [100.0], Setting(2, 2): [300.0]})
+    result = nostall.tune(streaming, max_batches=300, device="cpu", max_workers=2, repeats=1)
+    assert Setting(2, 2) == result.best
+    assert [] == result.confirmed
+    assert result.yours is None
+    assert 1 == result.rate.n
+
+
+def test_tune_keeps_room_in_max_batches_for_measuring_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search stops early enough for 3 settings x 3 runs x 14 batches within max_batches."""
+    scripted(monkeypatch, {Setting(0, 2): [100.0], Setting(2, 2): [200.0], Setting(4, 2): [400.0]})
+    result = nostall.tune(streaming, max_batches=14 + 14 + 126, device="cpu", max_workers=4)
+    assert [Setting(0, 2), Setting(2, 2)] == [s for s, _ in result.curve]
+    assert 3 == len(result.confirmed)
+    assert 14 + 14 + 126 == result.batches_spent
 
 
 @pytest.mark.parametrize(
@@ -171,6 +266,8 @@ def test_tune_never_spends_more_than_max_batches(max_batches: int) -> None:
         ({"threshold": float("nan")}, ValueError, "nostall.tune(threshold=...) must be"),
         ({"step": "train:step"}, TypeError, "nostall.tune(step=...) must be a function or None"),
         ({"device": "nonsense"}, ValueError, "device='nonsense' does not name a device"),
+        ({"repeats": 0}, ValueError, "nostall.tune(repeats=...) must be >= 1"),
+        ({"repeats": 2.0}, TypeError, "nostall.tune(repeats=...) must be an int >= 1"),
     ],
 )
 def test_tune_checks_its_arguments(

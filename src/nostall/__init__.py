@@ -45,9 +45,10 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       v
     _prefetcher   the facade: prefetch(), Prefetcher (set_epoch, state_dict, close)
 
-Above the facade, the tools that run it: ``_tune`` (the search, with ``_thread_safety`` checked
-before threads are tried), ``_doctor`` (the measuring; ``_diagnosis`` says what the figures
-mean, ``_doctor_report`` writes them), ``_cli``, and ``bench``.
+Above the facade, the tools that run it: ``_tune`` (the search, each trial a ``_trial``, with
+``_thread_safety`` checked before threads are tried), ``_doctor`` (the measuring;
+``_diagnosis`` says what the figures mean, ``_doctor_report`` writes them), ``_cli``, and
+``bench``.
 
 Arguments are checked in ``_arguments`` (``TypeError`` for a wrong type, ``ValueError`` for a
 wrong value); ``_device`` resolves ``device=``; every warning goes through ``_warn``, which

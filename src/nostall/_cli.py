@@ -132,6 +132,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--html", metavar="PATH", help="write a self-contained HTML report with a chart to PATH"
     )
     doctor.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    tune = commands.add_parser(
+        "tune",
+        help="find the fastest loader settings for your loader (nostall.tune)",
+        description=(
+            "Import FACTORY (MODULE:FUNCTION, a function that builds your DataLoader and accepts "
+            "num_workers, pin_memory, prefetch_factor and persistent_workers overrides where it "
+            "can) and search num_workers, loading threads and nostall.prefetch's depth within "
+            "the CPU and memory budgets; the leading settings and your loop as built are then "
+            "measured again, in turns. Prints the best setting as code to paste, and its "
+            "samples/s with their range beside your loop's."
+        ),
+        epilog=_EXIT_STATUS,
+    )
+    tune.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="the function that builds your loader, e.g. train:make_loader",
+    )
+    tune.add_argument(
+        "--step", metavar="MODULE:FUNC", help="your training step, called as FUNC(batch)"
+    )
+    tune.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available)"
+    )
+    tune.add_argument(
+        "--max-batches",
+        type=_count,
+        default=300,
+        help="the most batches the search may pull, its runs measured again included "
+        "(default: %(default)s)",
+    )
+    tune.add_argument(
+        "--transform",
+        metavar="MODULE:NAME",
+        help="what your pipeline applies to each batch on the device (measured with it)",
+    )
+    tune.add_argument(
+        "--repeats",
+        type=_count,
+        default=3,
+        help="runs of the leading settings and of your loop measured again (default: "
+        "%(default)s; 1: none, and no speed-up can be told)",
+    )
+    tune.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -147,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "doctor": _doctor,
         "devices": _devices,
+        "tune": _tune,
     }
     try:
         return commands[args.command](args)
@@ -211,6 +258,41 @@ def _doctor(args: argparse.Namespace) -> int:
     for path in (args.json, args.html):
         if path:
             print(f"wrote {path}")
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ._doctor import tune_summary
+    from ._doctor_report import check_output
+    from ._specs import checked_factory, load_callable
+    from ._tune import tune
+
+    check_output(args.json, "--json")  # before minutes of measuring, not after
+    device = _device(args.device)
+    factory = load_callable(args.factory, "the loader factory")
+    step = load_callable(args.step, "--step") if args.step else None
+    transform = load_callable(args.transform, "--transform") if args.transform else None
+    total = args.max_batches
+    with _progress_bar(args.no_progress) as progress:
+        # Not wrapped: what the user's own code raises keeps its traceback (see main()).
+        result = tune(
+            checked_factory(factory),
+            max_batches=args.max_batches,
+            device=device,
+            step=step,
+            transform=transform,
+            repeats=args.repeats,
+            on_trial=lambda s, rate, spent: progress(
+                f"{s.describe()}: {rate:,.0f} samples/s", min(spent / total, 1.0)
+            ),
+        )
+    print(tune_summary(result, factory, device, transform))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -8,6 +8,7 @@ verdict from them here (the summary, each line of it), so that what the doctor s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,22 +18,81 @@ from ._tune import Setting, TuneResult
 #: Threads against worker processes, one run each: the ratio that names one the faster.
 CLEAR_RATIO = 1.25
 
+#: The verdict when the figures cannot decide it: a verdict, not a guess.
+BUSY = "too busy to judge"
+#: The verdict when loading or the step ran once: one run has no spread to judge by.
+ONE_RUN = "cannot tell from one run"
+#: Loading and the step within this ratio of each other, all runs included: balanced.
+BALANCED_RATIO = 1.25
+
 
 def per_s(rate: Measured) -> str:
     """A rate as the doctor writes it: "1,100 samples/s (1,000-1,200 over 3 runs)"."""
     return rate.describe(",.0f", "samples/s")
 
 
+def too_busy(load_average: float | None, cores: int | None) -> bool:
+    """More runnable processes than cores, on average over the last minute.
+
+    Then the loader, the step and every other process take turns on the cores, and how much
+    each gets moves from one run to the next: the bench's figures moved 4-13x at load 4-7 on
+    2 cores.
+    """
+    return load_average is not None and cores is not None and load_average > cores
+
+
+def bound(
+    load: Measured,
+    step: Measured | None,
+    loops: Iterable[Measured],
+    load_average: float | None = None,
+    cores: int | None = None,
+) -> str:
+    """input-bound, compute-bound, balanced, or why it cannot be said; from the figures alone.
+
+    ``load`` is loading alone, ``step`` the step alone, ``loops`` every rate measured with
+    the step in the loop (samples/s). The verdict follows from these figures:
+
+    * no step: unknown;
+    * a machine :func:`too_busy`, or figures that contradict each other (a loop with the
+      step in it ran faster, all runs, than the step alone: the load moved them between
+      measurements): :data:`BUSY`;
+    * loading or the step measured once: :data:`ONE_RUN` (no spread to judge by);
+    * loading slower than the step, every run, and by more than a tenth (medians):
+      input-bound; faster: compute-bound; within a tenth: balanced;
+    * the spreads overlap: balanced where every run of both lies within
+      :data:`BALANCED_RATIO` of every other, else :data:`BUSY` (the spread is wider than
+      the difference it would have to show).
+    """
+    if step is None:
+        return "unknown (no --step given)"
+    if too_busy(load_average, cores) or any(loop.low > step.high for loop in loops):
+        return BUSY
+    if min(load.n, step.n) < 2:
+        return ONE_RUN
+    ratio = load.median / step.median if step.median > 0 else float("inf")
+    if load.high < step.low:
+        return "input-bound" if ratio < 0.9 else "balanced"
+    if load.low > step.high:
+        return "compute-bound" if ratio > 1.1 else "balanced"
+    least = min(load.low, step.low)
+    if least > 0 and max(load.high, step.high) <= BALANCED_RATIO * least:
+        return "balanced"
+    return BUSY
+
+
 @dataclass
 class Diagnosis:
     """What the doctor measured and concluded (samples/s throughout).
 
-    Invariant: ``speedup`` is None unless the best setting's slowest run beat the fastest run
-    of the loop as built (the spreads do not overlap); then it is the ratio of the medians, > 1.
+    Invariant: ``speedup`` is None unless both the best setting and the loop as built ran
+    more than once and the best's slowest run beat the loop's fastest (the spreads do not
+    overlap); then it is the ratio of the medians, > 1. ``bound`` follows from the figures
+    printed beside it (see :func:`bound`).
     """
 
     load: Measured
-    step_rate: float | None
+    step_rate: Measured | None
     as_built: Measured
     search: TuneResult
     with_nostall: tuple[Setting, Measured]
@@ -41,17 +101,22 @@ class Diagnosis:
     code: str = ""  # the change to make, as code (empty when nothing is measurably faster)
     #: The factory's own num_workers (its default), when it has one: the loop as built uses it.
     factory_workers: int | None = None
+    #: The highest one-minute load average seen while measuring (None: not known here).
+    load_average: float | None = None
+    #: The machine's cores (None: not known).
+    cores: int | None = None
+    #: The intra-op threads (torch.get_num_threads()) the step ran with, as in the user's loop.
+    threads: int | None = None
+
+    @property
+    def loops(self) -> tuple[Measured, ...]:
+        """Every rate measured with the step in the loop."""
+        return (self.as_built, self.with_nostall[1], self.without_nostall[1])
 
     @property
     def bound(self) -> str:
-        """input-bound, compute-bound or balanced; unknown without a step."""
-        if self.step_rate is None:
-            return "unknown (no --step given)"
-        if self.load.median < 0.9 * self.step_rate:
-            return "input-bound"
-        if self.load.median > 1.1 * self.step_rate:
-            return "compute-bound"
-        return "balanced"
+        """The verdict (:func:`bound`): input-bound, compute-bound, balanced, or why not said."""
+        return bound(self.load, self.step_rate, self.loops, self.load_average, self.cores)
 
     @property
     def best(self) -> tuple[Setting, Measured]:
@@ -62,36 +127,88 @@ class Diagnosis:
     def speedup(self) -> float | None:
         """The best setting's median over the loop as built, when measurably faster, else None."""
         rate = self.best[1]
-        if rate.low <= self.as_built.high:
+        if min(rate.n, self.as_built.n) < 2 or rate.low <= self.as_built.high:
             return None
         return rate.median / self.as_built.median
 
-    def summary(self) -> str:
-        """The diagnosis in plain words, ending with the code change when there is one."""
+    def machine_line(self) -> str | None:
+        """The load the figures were measured under, and whether it was too much to judge."""
+        if self.load_average is None:
+            return None
+        cores = "" if self.cores is None else f" on {self.cores} cores"
+        threads = "" if self.threads is None else f"; the step ran with {self.threads} threads"
+        line = f"machine: load average up to {self.load_average:.1f}{cores}{threads}."
+        if too_busy(self.load_average, self.cores):
+            line += (
+                " More processes wanted the cores than there are: every figure here moves with "
+                "them, too much to judge which is slower; run again when the machine is quieter."
+            )
+        return line
+
+    def contradiction(self) -> str | None:
+        """A loop with the step in it measured faster than the step alone, if one was."""
+        step = self.step_rate
+        if step is None:
+            return None
+        fastest = max(self.loops, key=lambda rate: rate.low)
+        if fastest.low <= step.high:
+            return None
+        return (
+            f"too busy to judge: a loop with your step in it ran at {per_s(fastest)}, faster "
+            f"than the step alone ({per_s(step)}), which cannot be: the machine's load moved "
+            f"the figures between measurements; run again when it is quieter."
+        )
+
+    def comparison(self) -> list[str]:
+        """The best found against the loop as built, as each figure allows it to be said."""
         setting, best = self.best
         rate = per_s(best)
+        speedup = self.speedup
+        if speedup is not None:
+            return [
+                f"measurably faster: {setting.describe()}, {rate}: {speedup:.2f}x yours.",
+                f"change your code to:\n{self.code}",
+            ]
+        yours = setting.depth is None and setting.num_workers in (None, self.factory_workers)
+        if yours:
+            found = f"the best found is your loop as built ({setting.describe()}), at {rate}"
+            return [f"no setting is measurably faster: {found}."]
+        if min(best.n, self.as_built.n) < 2:
+            return [
+                f"cannot tell from one run whether {setting.describe()} ({rate}) is faster "
+                f"than your loop as built: one run has no spread; pass --repeats 3 or more."
+            ]
+        if best.high < self.as_built.low:
+            return [
+                f"your loop as built is the best found: no setting tried ran as fast; the "
+                f"fastest other, {setting.describe()}, ran at {rate}, slower than yours."
+            ]
+        return [
+            f"no setting is measurably faster: the best found, {setting.describe()}, ran at "
+            f"{rate}, within the spread of yours."
+        ]
+
+    def summary(self) -> str:
+        """The diagnosis in plain words, ending with the code change when there is one.
+
+        Every claim follows from a figure printed in it: the verdict from loading and the step
+        (:func:`bound`), a speed-up from spreads that do not overlap, "the step is the
+        bottleneck" only where no loop ran faster than the step.
+        """
         step = (
-            f", step {self.step_rate:,.0f} samples/s"
+            f", step alone {per_s(self.step_rate)}"
             if self.step_rate is not None
             else " (pass --step to compare with your training step)"
         )
+        verdict = self.bound
         lines = [
-            f"{self.bound}: loading {per_s(self.load)}{step}.",
+            f"{verdict}: loading alone {per_s(self.load)}{step}.",
             f"as built, the loop runs at {per_s(self.as_built)}.",
         ]
-        speedup = self.speedup
-        if speedup is None:
-            yours = setting.depth is None and setting.num_workers in (None, self.factory_workers)
-            found = (
-                f"the best found is your loop as built ({setting.describe()}), at {rate}"
-                if yours
-                else f"the best found, {setting.describe()}, ran at {rate}, within the spread of "
-                f"yours"
-            )
-            lines.append(f"no setting is measurably faster: {found}.")
-        else:
-            lines.append(f"measurably faster: {setting.describe()}, {rate}: {speedup:.2f}x yours.")
-            lines.append(f"change your code to:\n{self.code}")
+        for line in (self.machine_line(), self.contradiction()):
+            if line is not None:
+                lines.append(line)
+        lines += self.comparison()
         if self.search.drew:
             lines.append(draws_line(self.search.drew))
         choice = self.threads_or_processes()
@@ -102,8 +219,11 @@ class Diagnosis:
             lines.append(slower)
         if self.search.thread_safety is not None:
             lines.append(self.search.thread_safety.describe())
-        if self.bound == "compute-bound":
-            lines.append("the step is the bottleneck: faster loading will not help much.")
+        if verdict == "compute-bound":
+            lines.append(
+                "the step is the bottleneck: loading alone ran faster than the step alone, so "
+                "beyond loading while the step runs, faster loading will not help."
+            )
         return "\n".join(lines)
 
     def threads_or_processes(self) -> str | None:
@@ -163,11 +283,15 @@ class Diagnosis:
             "device": self.device,
             "bound": self.bound,
             "load_samples_per_s": self.load.to_dict(),
-            "step_samples_per_s": self.step_rate,
+            "step_samples_per_s": None if self.step_rate is None else self.step_rate.to_dict(),
+            "step_threads": self.threads,
+            "load_average": self.load_average,
+            "cores": self.cores,
             "loop_samples_per_s": self.as_built.to_dict(),
             "best": {"setting": setting.describe(), "samples_per_s": rate.to_dict()},
             "speedup": self.speedup,
-            "code": self.code or None,
+            # Only a change measurably faster than the loop as built is one to make.
+            "code": (self.code or None) if self.speedup is not None else None,
             "tune": self.search.to_dict(),
             "with_nostall": {
                 "setting": self.with_nostall[0].describe(),

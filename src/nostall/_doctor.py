@@ -5,29 +5,50 @@ device-resident batch (compute only), and the two together; then a search over l
 (:func:`nostall.tune`) with and without ``nostall.prefetch``. This module measures, and writes
 the code to change; what the figures mean is :class:`~nostall._diagnosis.Diagnosis`'s to say,
 and the report files :mod:`nostall._doctor_report`'s to write.
+
+On a shared machine one run of anything moves by several times with the load, so what is
+compared is measured in turns, with repeats: loading alone and the step alone alternate; the
+loop as built and the leading settings alternate (in :func:`nostall.tune`). The load average
+is recorded for the verdict to weigh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from . import _arguments
 from ._device import DeviceLike, resolve_data_device
-from ._diagnosis import Diagnosis
+from ._diagnosis import Diagnosis, draws_line, per_s
 from ._exceptions import ConfigurationError
 from ._specs import checked_factory
 from ._timing import Measured, synchronize
 from ._transfer import to_device
 from ._tree import batch_size_of
-from ._tune import Factory, Setting, Step, Transform, loader_kwargs, measure, tune
+from ._tune import (
+    YOURS,
+    Factory,
+    Setting,
+    Step,
+    Transform,
+    TuneResult,
+    loader_kwargs,
+    measure,
+    tune,
+)
 
-DEFAULT = Setting(None, None)
+DEFAULT = YOURS
 
 #: Batches each timed run pulls: two start-up batches, then the timed ones.
 RUN_BATCHES = 12
+#: Steps each run of the step alone times (after one warm-up step before the first run).
+STEP_RUN = 5
 
 
 def diagnose(
@@ -46,11 +67,17 @@ def diagnose(
         factory: builds the loader (see :mod:`nostall._tune`).
         step: the training step, called with a batch on the device.
         device: where batches go (default: CUDA when available).
-        max_batches: the most batches the settings search (:func:`nostall.tune`) may pull; the
-            repeated runs around it pull ``4 * repeats * 14`` more, and the step alone one.
-        repeats: runs of each compared setting (the loader alone, the loop as built, the best
-            found with and without ``nostall.prefetch``); a speed-up is claimed only when
-            every run of the best beat every run of the loop as built.
+        max_batches: the most batches the settings search (:func:`nostall.tune`) may pull, its
+            runs of the loop as built and of the leading settings measured again included;
+            the runs around it pull ``2 * repeats * 14`` more (loading alone, the best found
+            without ``nostall.prefetch``), and the step alone one. Where the search had no
+            room to measure again, the doctor measures the loop as built and the best found
+            itself (``2 * repeats * 14`` more).
+        repeats: runs of each compared figure (the loader alone and the step alone, in turns;
+            the loop as built, the best found with and without ``nostall.prefetch``); a
+            speed-up is claimed only when every run of the best beat every run of the loop as
+            built, and never from one run. The step runs with the intra-op threads
+            (``torch.get_num_threads()``) that the caller's thread has, as in the user's loop.
         transform: what the pipeline applies to each batch on the device, as
             ``nostall.prefetch(loader, transform=...)`` does: measured with it.
         progress: called with each phase's description and the share of the work done (0-1).
@@ -78,62 +105,116 @@ def diagnose(
     _arguments.function("diagnose", "progress", progress, optional=True, hint="e.g. print")
     dev = resolve_data_device(device)
     build = checked_factory(factory)
-    total = 4 * repeats * (RUN_BATCHES + 2) + max_batches
+    threads = torch.get_num_threads()  # the user's loop runs the step with these
+    run_cost = RUN_BATCHES + 2
+    total = 4 * repeats * run_cost + max_batches
     done = 0
+    load_averages = [_load_average()]
 
     def say(phase: str) -> None:
         if progress is not None:
             progress(phase, min(done / total, 1.0))
 
-    def rate_of(setting: Setting, phase: str, with_step: bool = True) -> Measured:
+    def run(setting: Setting, phase: str, with_step: bool = True) -> float:
         nonlocal done
-        runs = []
-        for i in range(repeats):
-            say(f"{phase} (run {i + 1} of {repeats})")
-            rate, used = measure(
-                build,
-                setting,
-                dev,
-                batches=RUN_BATCHES,
-                step=step if with_step else None,
-                transform=transform,
-            )
-            done += RUN_BATCHES + 2
-            if used < 3:
-                raise ConfigurationError(_too_few(factory, used))
-            runs.append(rate)
-        return Measured(tuple(runs))
+        say(phase)
+        rate, used = measure(
+            build,
+            setting,
+            dev,
+            batches=RUN_BATCHES,
+            step=step if with_step else None,
+            transform=transform,
+        )
+        done += run_cost
+        if used < 3:
+            raise ConfigurationError(_too_few(factory, used))
+        return rate
 
-    load = rate_of(DEFAULT, "load only: the loader as the factory builds it", with_step=False)
-    step_rate = None
-    if step is not None:
-        say("step only: your step on one device-resident batch")
-        step_rate = _step_rate(build, step, dev, transform)
-    as_built = rate_of(DEFAULT, "the loop as built: loading and step together")
+    # Loading alone and the step alone, in turns: a change in the machine's load falls on both.
+    loads: list[float] = []
+    steps: list[float] = []
+    batch = None
+    for i in range(repeats):
+        of = f"(run {i + 1} of {repeats})"
+        loads.append(run(DEFAULT, f"load only: the loader as the factory builds it {of}", False))
+        if step is not None:
+            say(f"step only: your step on one device-resident batch {of}")
+            if batch is None:
+                batch = _device_batch(build, step, dev, transform, threads)
+            steps.append(_step_rate(batch, step, dev, threads))
+    load = Measured(tuple(loads))
+    step_rate = Measured(tuple(steps)) if steps else None
+    load_averages.append(_load_average())
 
     def trial(setting: Setting, rate: float, spent: int) -> None:
         nonlocal done
-        done = 2 * repeats * (RUN_BATCHES + 2) + spent
+        done = repeats * run_cost + spent
         say(f"searching settings: {setting.describe()}: {rate:,.0f} samples/s")
 
     say(f"searching loader settings with nostall.prefetch (at most {max_batches} batches)")
     search = tune(
-        build, max_batches=max_batches, device=dev, step=step, transform=transform, on_trial=trial
+        build,
+        max_batches=max_batches,
+        device=dev,
+        step=step,
+        transform=transform,
+        on_trial=trial,
+        repeats=repeats,
     )
-    done = 2 * repeats * (RUN_BATCHES + 2) + max_batches
-    ours = rate_of(search.best, f"again: {search.best.describe()}")
+    done = repeats * run_cost + max_batches
+    load_averages.append(_load_average())
     plain = Setting(search.best.num_workers, None)
-    theirs = rate_of(plain, f"again: {plain.describe()}")
+    # What the search did not measure again, in turns, and the best without nostall.
+    wanted = [s for s in (DEFAULT, search.best) if not _has_runs(search.measured(s), repeats)]
+    runs: dict[Setting, list[float]] = {s: [] for s in (*wanted, plain)}  # each setting once
+    for i in range(repeats):
+        for setting in runs:
+            runs[setting].append(
+                run(setting, f"again: {setting.describe()} (run {i + 1} of {repeats})")
+            )
+    load_averages.append(_load_average())
+
+    def measured(setting: Setting) -> Measured:
+        if setting in runs:
+            return Measured(tuple(runs[setting]))
+        again = search.measured(setting)
+        assert again is not None  # what the search did not measure again is in runs
+        return again
+
     diagnosis = Diagnosis(
-        load, step_rate, as_built, search, (search.best, ours), (plain, theirs), str(dev)
+        load,
+        step_rate,
+        measured(DEFAULT),
+        search,
+        (search.best, measured(search.best)),
+        (plain, Measured(tuple(runs[plain]))),
+        str(dev),
     )
     diagnosis.factory_workers = _default_workers(factory)
-    diagnosis.code = recommend(
-        factory, diagnosis.best[0], dev, transform, search.drew, diagnosis.factory_workers
-    )
+    known = [a for a in load_averages if a is not None]
+    diagnosis.load_average = max(known) if known else None
+    diagnosis.cores = os.cpu_count()
+    diagnosis.threads = threads
+    if diagnosis.speedup is not None:  # only a change measurably faster is one to make
+        diagnosis.code = recommend(
+            factory, diagnosis.best[0], dev, transform, search.drew, diagnosis.factory_workers
+        )
     done = total
     say("done")
     return diagnosis
+
+
+def _has_runs(rate: Measured | None, repeats: int) -> bool:
+    return rate is not None and rate.n >= repeats
+
+
+def _load_average() -> float | None:
+    """The one-minute load average (None where the system keeps none: Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def recommend(
@@ -179,6 +260,42 @@ def recommend(
     return "\n".join(lines)
 
 
+def tune_summary(
+    result: TuneResult, factory: Factory, device: Any, transform: Transform | None = None
+) -> str:
+    """What ``nostall tune`` prints: the best found beside the loop as built, and the code.
+
+    The same rule as the doctor's: the code to paste only where the best is measurably faster
+    than the loop as built (:attr:`TuneResult.speedup`); otherwise what the figures allow.
+    """
+    rate = result.rate
+    lines = [f"best found: {result.best.describe()}, {per_s(rate)}."]
+    yours = result.yours
+    if yours is None:
+        lines.append(
+            "your loop as built was not measured beside it (--repeats 1, or a --max-batches "
+            "too small to measure again): cannot tell whether the best found is faster."
+        )
+    else:
+        lines.append(f"yours, as built ({YOURS.describe()}): {per_s(yours)}.")
+        speedup = result.speedup
+        if speedup is not None:
+            code = recommend(factory, result.best, device, transform, result.drew)
+            lines.append(f"measurably faster: {speedup:.2f}x yours. change your code to:\n{code}")
+        elif rate.high < yours.low:
+            lines.append("your loop as built ran faster than every setting tried: keep it.")
+        else:
+            lines.append(
+                "no setting is measurably faster: the best found ran within the spread of "
+                "yours; keep yours."
+            )
+    if result.drew:
+        lines.append(draws_line(result.drew))
+    if result.thread_safety is not None:
+        lines.append(result.thread_safety.describe())
+    return "\n".join(lines)
+
+
 def _too_few(factory: Factory, used: int) -> str:
     name = getattr(factory, "__name__", "the factory")
     if used == 0:
@@ -192,18 +309,44 @@ def _too_few(factory: Factory, used: int) -> str:
     )
 
 
-def _step_rate(build: Factory, step: Step, device: Any, transform: Transform | None) -> float:
+def _device_batch(
+    build: Factory, step: Step, device: Any, transform: Transform | None, threads: int
+) -> Any:
+    """One batch on the device, transformed, after one warm-up step on it."""
     batch = to_device(next(iter(build())), device)
     if transform is not None:
         batch = transform(batch)
-    step(batch)  # warm-up
-    synchronize(device)
-    n = 10
-    start = time.perf_counter()
-    for _ in range(n):
+    with _intra_op_threads(threads):
         step(batch)
-    synchronize(device)
-    return n * (batch_size_of(batch) or 1) / (time.perf_counter() - start)
+        synchronize(device)
+    return batch
+
+
+def _step_rate(batch: Any, step: Step, device: Any, threads: int) -> float:
+    """Samples/s of ``step`` alone on ``batch``, over :data:`STEP_RUN` steps, at ``threads``."""
+    with _intra_op_threads(threads):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(STEP_RUN):
+            step(batch)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    return STEP_RUN * (batch_size_of(batch) or 1) / elapsed if elapsed > 0 else 0.0
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads, as the user's loop has them.
+
+    The count is per thread, and the measuring around the step (a prefetcher's hand-over)
+    may have left this thread's at another: the step alone must run as it runs in the loop.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _default_workers(factory: Callable[..., Any]) -> int | None:

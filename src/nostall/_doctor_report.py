@@ -16,6 +16,7 @@ from pathlib import Path
 from ._diagnosis import Diagnosis, per_s
 from ._exceptions import ConfigurationError
 from ._timing import Measured
+from ._tune import YOURS, Setting
 
 
 def check_output(path: str | None, flag: str) -> None:
@@ -74,16 +75,51 @@ def write_reports(diagnosis: Diagnosis, json_path: str | None, html_path: str | 
         Path(html_path).write_text(html_page(diagnosis))
 
 
-def html_page(diagnosis: Diagnosis) -> str:
-    """A self-contained page (no scripts, no downloads): the settings, median and spread."""
-    measured = [
-        ("as built", diagnosis.as_built),
-        (diagnosis.with_nostall[0].describe(), diagnosis.with_nostall[1]),
-        (diagnosis.without_nostall[0].describe(), diagnosis.without_nostall[1]),
+#: The width one character of the chart's 12px labels takes, at most, in a sans-serif font.
+CHAR_PX = 7.5
+
+
+def chart_label(setting: Setting) -> str:
+    """A setting in the fewest words that still tell every setting apart."""
+    workers = (
+        "factory's workers" if setting.num_workers is None else f"workers={setting.num_workers}"
+    )
+    if setting.depth is None:
+        return f"{workers}, no prefetcher"
+    threads = "" if setting.threads is None else f" threads={setting.threads}"
+    return f"{workers}, prefetch depth={setting.depth}{threads}"
+
+
+def chart_rows(diagnosis: Diagnosis) -> list[tuple[str, Measured]]:
+    """The chart's bars, labelled: the figures compared, then the search's single trials.
+
+    A search trial of a setting that was then measured again says so in its label, so that its
+    one run beside the same setting's runs is not read as a second setting.
+    """
+    ours, theirs = diagnosis.with_nostall, diagnosis.without_nostall
+    n = diagnosis.as_built.n
+    rows = [
+        (f"yours, as built ({chart_label(YOURS)}), {n} runs", diagnosis.as_built),
+        (f"best found: {chart_label(ours[0])}, {ours[1].n} runs", ours[1]),
+        (f"best without nostall: {chart_label(theirs[0])}, {theirs[1].n} runs", theirs[1]),
     ]
-    measured += [(f"search: {s.describe()}", Measured((r,))) for s, r in diagnosis.search.curve]
+    again = {ours[0], theirs[0]}
+    for setting, rate in diagnosis.search.curve:
+        note = ", measured again above" if setting in again else ""
+        rows.append((f"search trial, one run: {chart_label(setting)}{note}", Measured((rate,))))
+    return rows
+
+
+def html_page(diagnosis: Diagnosis) -> str:
+    """A self-contained page (no scripts, no downloads): the settings, median and spread.
+
+    The chart's label column is as wide as its longest label (nothing is cut), and its axis
+    is in samples/s.
+    """
+    measured = chart_rows(diagnosis)
     top = max(rate.high for _, rate in measured) or 1.0
-    bar_h, width, left = 22, 460, 360
+    bar_h, width = 22, 460
+    left = int(CHAR_PX * max(len(label) for label, _ in measured)) + 12
     bars = []
     for i, (label, rate) in enumerate(measured):
         y = i * (bar_h + 6)
@@ -96,7 +132,22 @@ def html_page(diagnosis: Diagnosis) -> str:
             f'<text x="{left + 5 + hi:.1f}" y="{y + 15}" font-size="12">'
             f"{rate.median:,.0f}</text>"
         )
-    height = len(measured) * (bar_h + 6)
+    axis_y = len(measured) * (bar_h + 6) + 4
+    bars.append(
+        f'<line x1="{left}" x2="{left + width}" y1="{axis_y}" y2="{axis_y}" stroke="black"/>'
+    )
+    for k in range(5):
+        x = left + width * k / 4
+        bars.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{axis_y}" y2="{axis_y + 4}" stroke="black"/>'
+            f'<text x="{x:.1f}" y="{axis_y + 16}" font-size="11" text-anchor="middle">'
+            f"{top * k / 4:,.0f}</text>"
+        )
+    bars.append(
+        f'<text x="{left + width / 2:.1f}" y="{axis_y + 32}" font-size="12" '
+        f'text-anchor="middle">samples/s (bar: median; line: the range of the runs)</text>'
+    )
+    height = axis_y + 40
     step, speedup = diagnosis.step_rate, diagnosis.speedup
     rows = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
@@ -104,7 +155,11 @@ def html_page(diagnosis: Diagnosis) -> str:
             ("device", diagnosis.device),
             ("verdict", diagnosis.bound),
             ("load only", per_s(diagnosis.load)),
-            ("step only", "n/a" if step is None else f"{step:,.0f}"),
+            ("step only", "n/a" if step is None else per_s(step)),
+            (
+                "load average",
+                "n/a" if diagnosis.load_average is None else f"{diagnosis.load_average:.1f}",
+            ),
             ("loop as built", per_s(diagnosis.as_built)),
             ("speed-up", "none measurable" if speedup is None else f"{speedup:.2f}x"),
         )
@@ -114,6 +169,8 @@ def html_page(diagnosis: Diagnosis) -> str:
         "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 12px}</style></head>"
         f"<body><h1>nostall doctor</h1><pre>{html.escape(diagnosis.summary())}</pre>"
         f"<table>{rows}</table><h2>samples/s: median, and the range of the runs</h2>"
+        "<p>Yours and the best found were measured again after the search, in turns; each "
+        "search trial is one run, as the search saw it.</p>"
         f"<svg width='{left + width + 80}' height='{height}' "
         f"xmlns='http://www.w3.org/2000/svg'>{''.join(bars)}</svg></body></html>\n"
     )

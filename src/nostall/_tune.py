@@ -5,16 +5,16 @@ The user gives a *factory*: a function that builds their ``DataLoader`` and acce
 arguments. Each trial builds a loader with one setting, skips its start-up batches and times a
 few more; the search climbs while a step up gains enough, within the CPU budget (cores) and the
 memory budget (the one rule of :mod:`nostall._autodepth`: a tenth of the available memory for
-batches in flight, at most 64).
+batches in flight, at most 64). One trial moves by half on a shared machine, so the search's
+leading settings and the loop as built are then measured again, with repeats, alternating, and
+the best is chosen on those medians.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,47 +25,35 @@ from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
-from ._global_draws import draws_of, unreported
-from ._prefetcher import prefetch
+from ._global_draws import draws_of
 from ._sources import classify
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threads import check_threadable
-from ._timing import synchronize
-from ._transfer import to_device
-from ._tree import batch_size_of
+from ._timing import Measured
+from ._trial import LOADER_KNOBS as LOADER_KNOBS
+from ._trial import YOURS as YOURS
+from ._trial import Factory as Factory
+from ._trial import Setting as Setting
+from ._trial import Step as Step
+from ._trial import Transform as Transform
+from ._trial import accepted_knobs as accepted_knobs
+from ._trial import build as build
+from ._trial import loader_kwargs as loader_kwargs
+from ._trial import measure as measure
 
-Factory = Callable[..., Iterable[Any]]
-Step = Callable[[Any], Any]
-Transform = Callable[[Any], Any]
-
-LOADER_KNOBS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One way to build and feed the loader."""
-
-    num_workers: int | None  # None: the factory's own choice (it takes no num_workers)
-    depth: int | None  # None: no nostall.prefetch, batches moved in the loop
-    threads: int | None = None  # nostall.prefetch(threads=...) with num_workers=0
-
-    def describe(self) -> str:
-        """Plain words, as the doctor prints them."""
-        workers = (
-            "the factory's num_workers"
-            if self.num_workers is None
-            else (f"num_workers={self.num_workers}")
-        )
-        feed = "no prefetcher" if self.depth is None else f"nostall.prefetch depth={self.depth}"
-        if self.threads is not None:
-            feed += f" threads={self.threads}"
-        return f"{workers}, {feed}"
+#: How many of the search's best trials are measured again, with repeats, before one is chosen.
+FINALISTS = 2
 
 
 @dataclass
 class TuneResult:
-    """What :func:`tune` chose, and every trial it measured (samples/s, in order)."""
+    """What :func:`tune` chose, and every trial it measured (samples/s, in order).
+
+    Invariant: ``samples_per_s`` is ``rate.median``; ``best`` is the setting of ``confirmed``
+    with the highest median where the search's leading settings were measured again, else
+    (a budget too small, or ``repeats=1``) its fastest single trial.
+    """
 
     best: Setting
     samples_per_s: float
@@ -77,6 +65,35 @@ class TuneResult:
     #: ``num_workers=0`` (its second batch watched): threads are then not tried, and a
     #: recommendation that changes ``num_workers`` changes the draws (see the doctor).
     drew: tuple[str, ...] = ()
+    #: The search's leading settings and the loop as built (:data:`YOURS`), measured again
+    #: after the search, the same number of runs each, alternating (empty: not measured again).
+    confirmed: list[tuple[Setting, Measured]] = field(default_factory=list)
+
+    @property
+    def rate(self) -> Measured:
+        """The best's samples/s with its spread: its runs measured again, else its one trial."""
+        return self.measured(self.best) or Measured((self.samples_per_s,))
+
+    @property
+    def yours(self) -> Measured | None:
+        """The loop as built, measured beside the leading settings (None: it was not)."""
+        return self.measured(YOURS)
+
+    @property
+    def speedup(self) -> float | None:
+        """The best's median over the loop as built's, when measurably faster, else None.
+
+        Measurably: both measured more than once, and the best's slowest run beat the loop
+        as built's fastest (one run has no spread, so it never shows a speed-up).
+        """
+        yours, rate = self.yours, self.rate
+        if yours is None or min(rate.n, yours.n) < 2 or rate.low <= yours.high:
+            return None
+        return rate.median / yours.median
+
+    def measured(self, setting: Setting) -> Measured | None:
+        """The runs of ``setting`` measured again after the search (None: it was not)."""
+        return next((rate for s, rate in self.confirmed if s == setting), None)
 
     def to_dict(self) -> dict[str, Any]:
         """For JSON."""
@@ -84,98 +101,18 @@ class TuneResult:
         return {
             "best": asdict(self.best),
             "samples_per_s": self.samples_per_s,
+            "rate": self.rate.to_dict(),
+            "yours": None if self.yours is None else self.yours.to_dict(),
+            "speedup": self.speedup,
             "batches_spent": self.batches_spent,
             "curve": [{**asdict(s), "samples_per_s": r} for s, r in self.curve],
+            "confirmed": [
+                {**asdict(s), "yours": s == YOURS, "samples_per_s": r.to_dict()}
+                for s, r in self.confirmed
+            ],
             "thread_safety": None if safety is None else asdict(safety),
             "drew": list(self.drew),
         }
-
-
-def accepted_knobs(factory: Factory) -> set[str]:
-    """Which loader settings ``factory`` takes as keyword arguments."""
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return set(LOADER_KNOBS)
-    names = {p.name for p in parameters}
-    return {knob for knob in LOADER_KNOBS if knob in names}
-
-
-def build(factory: Factory, setting: Setting, device: torch.device) -> Iterable[Any]:
-    """The loader for ``setting``, passing only the settings ``factory`` accepts."""
-    return factory(**loader_kwargs(factory, setting, device))
-
-
-def loader_kwargs(factory: Factory, setting: Setting, device: torch.device) -> dict[str, Any]:
-    """The keyword arguments :func:`build` passes to ``factory`` for ``setting``."""
-    knobs = accepted_knobs(factory)
-    kwargs: dict[str, Any] = {}
-    if setting.num_workers is not None and "num_workers" in knobs:
-        kwargs["num_workers"] = setting.num_workers
-        if "persistent_workers" in knobs:
-            kwargs["persistent_workers"] = setting.num_workers > 0
-        if "prefetch_factor" in knobs and setting.num_workers > 0:
-            kwargs["prefetch_factor"] = 2
-    if "pin_memory" in knobs:
-        kwargs["pin_memory"] = device.type == "cuda"
-    return kwargs
-
-
-def measure(
-    factory: Factory,
-    setting: Setting,
-    device: torch.device,
-    *,
-    batches: int,
-    warmup: int = 2,
-    step: Step | None = None,
-    transform: Transform | None = None,
-) -> tuple[float, int]:
-    """Samples/s of the loop with ``setting`` (the step included when given), and batches used.
-
-    The first ``warmup`` batches (worker start-up) are pulled but not timed. ``transform`` is
-    applied as the user's pipeline applies it: by ``nostall.prefetch(transform=...)``, or in the
-    loop after the batch was moved when the setting has no prefetcher.
-    """
-    loader = build(factory, setting, device)
-    feed: Iterable[Any]
-    if setting.depth is not None:
-        feed = prefetch(
-            loader, device, depth=setting.depth, transform=transform, threads=setting.threads
-        )
-    else:
-        moved = (to_device(b, device, non_blocking=device.type == "cuda") for b in loader)
-        feed = moved if transform is None else (transform(b) for b in moved)
-    it = iter(feed)
-    used = 0
-    samples = 0
-    start = 0.0
-    # A source drawing from the global generators is loaded in step, as the user's own
-    # prefetcher would load it; tune says so in its result, not with a warning per trial.
-    with unreported():
-        try:
-            for batch in it:
-                if step is not None:
-                    step(batch)
-                used += 1
-                if used == warmup:
-                    synchronize(device)
-                    start = time.perf_counter()
-                elif used > warmup:
-                    samples += batch_size_of(batch) or 1
-                if used >= warmup + batches:
-                    break
-            synchronize(device)
-            elapsed = time.perf_counter() - start
-        finally:
-            close = getattr(feed, "close", None)
-            if callable(close):
-                close()
-    if used <= warmup or elapsed <= 0:
-        return 0.0, used
-    return samples / elapsed, used
 
 
 def tune(
@@ -189,6 +126,7 @@ def tune(
     batches_per_trial: int = 12,
     transform: Transform | None = None,
     on_trial: Callable[[Setting, float, int], None] | None = None,
+    repeats: int = 3,
 ) -> TuneResult:
     """Hill-climb ``num_workers``, loading threads and depth; return the best and the curve.
 
@@ -200,8 +138,19 @@ def tune(
     random generators (``result.drew``: threads would change the draws), threads go 2, 4, ...
     up to twice that
     budget; the best of all keeps its setting while the depth goes 4, 8, ... up to what the
-    memory budget holds. Each climb goes on while a step gains at least ``threshold`` (5%). A
-    trial starts only while it fits in what is left of ``max_batches``, so ``batches_spent <=
+    memory budget holds. Each climb goes on while a step gains at least ``threshold`` (5%).
+
+    One trial is one run, and on a shared machine the same setting moves by half from one run
+    to the next: so the search keeps room in ``max_batches`` for measuring again its
+    :data:`FINALISTS` fastest settings and the loop as built (:data:`YOURS`), ``repeats`` runs
+    each, alternating so that a change in the machine's load falls on all of them alike; the
+    best is the finalist with the highest median (``result.rate``, with its spread; the loop
+    as built is ``result.yours``). Where ``max_batches`` holds that room (``(FINALISTS + 1) *
+    repeats * (batches_per_trial + 2)`` batches) only with fewer than two trials beside it,
+    or with ``repeats=1``, nothing is measured again: the best is the fastest single trial,
+    and ``result.rate`` holds that one run.
+
+    A trial starts only while it fits in what is left of ``max_batches``, so ``batches_spent <=
     max_batches``, with one exception: the first trial always runs (a result needs one): a
     ``max_batches`` below ``batches_per_trial + 2`` (its start-up and timed batches) spends
     that many anyway. The thread-safety check's samples (four passes, each over a loader
@@ -220,7 +169,9 @@ def tune(
         transform: the transform the pipeline applies (``nostall.prefetch(transform=...)``),
             so that the trials measure the pipeline as it runs.
         on_trial: called after each trial with its setting, samples/s and the batches spent
-            so far (a progress display, a log).
+            so far (a progress display, a log); the runs measured again after the search too.
+        repeats: runs of each setting measured again after the search (1: none measured
+            again; the best is then picked on single trials).
 
     Raises:
         TypeError: an argument of the wrong type (``factory`` or ``step`` not callable, a count
@@ -257,25 +208,36 @@ def tune(
     _arguments.function(
         "nostall.tune", "on_trial", on_trial, optional=True, hint="pass e.g. a logging function"
     )
+    _arguments.integer("nostall.tune", "repeats", repeats, low=1, example=3)
     dev = resolve_data_device(device)
     knobs = accepted_knobs(factory)
     cores = max_workers if max_workers is not None else (os.cpu_count() or 1)
     curve: list[tuple[Setting, float]] = []
     spent = 0
+    cost = batches_per_trial + 2
+    # The room kept for measuring the leading settings (and the loop as built) again, where
+    # max_batches holds it beside two trials: a smaller budget is spent on the search alone.
+    reserve = (FINALISTS + 1) * repeats * cost if repeats > 1 else 0
+    if max_batches < 2 * cost + reserve:
+        reserve = 0
 
-    def trial(setting: Setting) -> float:
+    def run(setting: Setting) -> float:
         nonlocal spent
         rate, used = measure(
             factory, setting, dev, batches=batches_per_trial, step=step, transform=transform
         )
         spent += used
-        curve.append((setting, rate))
         if on_trial is not None:
             on_trial(setting, rate, spent)
         return rate
 
+    def trial(setting: Setting) -> float:
+        rate = run(setting)
+        curve.append((setting, rate))
+        return rate
+
     def affordable() -> bool:
-        return spent + batches_per_trial + 2 <= max_batches
+        return spent + cost + reserve <= max_batches
 
     # With nostall, num_workers=0 already loads in a background thread, as one worker would: the
     # climb goes 0, 2, 4, ... so that a flat first step does not end it early.
@@ -328,12 +290,41 @@ def tune(
             previous = rate
     # Weighing a batch for the depth limit pulls one more: only worth it (and only within
     # max_batches) when a depth trial can follow.
-    if spent + 1 + batches_per_trial + 2 <= max_batches:
+    if spent + 1 + cost + reserve <= max_batches:
         depth_limit = _depth_limit(factory, best, dev)
         spent += 1  # the batch that showed the size
         workers, threads = best.num_workers, best.threads
         climb(Setting(workers, 2**k, threads) for k in range(2, 6) if 2**k <= depth_limit)
-    return TuneResult(best, best_rate, curve, spent, safety, drew)
+    confirmed: list[tuple[Setting, Measured]] = []
+    if reserve and spent + reserve <= max_batches:
+        confirmed = _measure_again(_finalists(curve), repeats, run)
+        best, again = max(
+            ((s, r) for s, r in confirmed if s != YOURS), key=lambda pair: pair[1].median
+        )
+        best_rate = again.median
+    return TuneResult(best, best_rate, curve, spent, safety, drew, confirmed)
+
+
+def _finalists(curve: list[tuple[Setting, float]]) -> list[Setting]:
+    """The :data:`FINALISTS` settings of the fastest trials, each once, fastest first."""
+    ranked = sorted(curve, key=lambda pair: pair[1], reverse=True)
+    return list(dict.fromkeys(s for s, _ in ranked))[:FINALISTS]
+
+
+def _measure_again(
+    finalists: list[Setting], repeats: int, run: Callable[[Setting], float]
+) -> list[tuple[Setting, Measured]]:
+    """``repeats`` runs of each finalist and of :data:`YOURS`, taking turns.
+
+    Taking turns (A, B, yours, A, B, yours, ...) rather than one setting's runs in a row puts
+    a change in the machine's load on every setting alike, so that the medians compare.
+    """
+    settings = [*finalists, YOURS]
+    runs: dict[Setting, list[float]] = {s: [] for s in settings}
+    for _ in range(repeats):
+        for setting in settings:
+            runs[setting].append(run(setting))
+    return [(s, Measured(tuple(runs[s]))) for s in settings]
 
 
 def _refuse_if_thread_bound(factory: Factory, setting: Setting, device: torch.device) -> None:
