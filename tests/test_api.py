@@ -156,3 +156,83 @@ def test_no_module_is_longer_than_400_lines() -> None:
         if (n := len(path.read_text().splitlines())) > 400
     }
     assert {} == long
+
+
+#: The engine: the modules a batch goes through, and those that keep its state between them.
+ENGINE = (
+    "_prefetcher",
+    "_iteration",
+    "_lineage",
+    "_latest_producer",
+    "_producer",
+    "_channel",
+    "_epochs",
+    "_drawn_orders",
+    "_staging_base",
+    "_staging_cuda",
+)
+
+#: The engine's fields assigned after construction (see the test); this number only shrinks.
+MUTABLE_FIELDS = 44
+
+
+def _fields(module: str) -> dict[str, tuple[set[str], set[str]]]:
+    """Per class of ``module``: its ``self.x`` fields, and those assigned outside ``__init__``."""
+    found = {}
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        every, later = set(), set()
+        for method in (node for node in cls.body if isinstance(node, ast.FunctionDef)):
+            for node in ast.walk(method):
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else [node.target]
+                    if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                    else []
+                )
+                for target in targets:
+                    for part in ast.walk(target):
+                        if (
+                            isinstance(part, ast.Attribute)
+                            and isinstance(part.value, ast.Name)
+                            and part.value.id == "self"
+                        ):
+                            every.add(part.attr)
+                            if method.name != "__init__":
+                                later.add(part.attr)
+        found[cls.name] = (every, later)
+    return found
+
+
+def test_the_engines_mutable_state_does_not_grow() -> None:
+    """Fields the engine's classes reassign after construction: at most ``MUTABLE_FIELDS``.
+
+    A field set once in ``__init__`` is a part; one assigned again later is state someone must
+    keep right. Fewer of them, each owned by the class whose invariant it is.
+    """
+    later = {
+        f"{module}.{name}.{field}"
+        for module in ENGINE
+        for name, (_, fields) in _fields(module).items()
+        for field in fields
+    }
+    assert len(later) <= MUTABLE_FIELDS, sorted(later)
+
+
+def test_no_engine_module_writes_the_lineages_fields() -> None:
+    """The lineage changes through its verbs: nothing outside it assigns ``lineage.x``."""
+    writes = {
+        f"{module}:{node.lineno}"
+        for module in ENGINE
+        if module != "_lineage"
+        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text()))
+        if isinstance(node, (ast.Assign, ast.AugAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for part in ast.walk(target)
+        if isinstance(part, ast.Attribute)
+        and isinstance(part.value, (ast.Name, ast.Attribute))
+        and (part.value.id if isinstance(part.value, ast.Name) else part.value.attr)
+        in ("lineage", "_lineage")
+    }
+    assert set() == writes

@@ -122,6 +122,10 @@ class EpochSource:
         if self.count is not None:
             self.count.restore(replay)
 
+    def drop_resume(self) -> None:
+        """The loaded state no longer applies (another epoch was set): open epochs afresh."""
+        self.resume = None
+
     def use_source(self, source: Iterable[Any]) -> None:
         """From the next epoch on, open ``source`` (a sharded copy of the same kind)."""
         self.source = source

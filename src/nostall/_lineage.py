@@ -226,7 +226,8 @@ class Lineage:
                 f"{resume['epoch']}: the loaded state is dropped",
                 UserWarning,
             )
-            self.epochs.resume, dropped = None, True
+            self.epochs.drop_resume()
+            dropped = True
         at = self._at
         # Another epoch, or this one not begun: a state saved now must hold what was done to
         # the sampler, which only a fresh start state reads.
