@@ -317,13 +317,13 @@ class ThreadedEpoch(Iterator[Any]):
         return f"{sample} in {thread.name!r}" + (f" at {line}" if line else "")
 
     def _start_for_idle_threads(self) -> None:
-        """Start the batches after the room's while the threads have samples to spare.
+        """Start the batches after the room's while a thread would have no sample to fetch.
 
-        Each while fewer than N (``pool.size``) samples are in flight and the batches past
-        the room's would hold at most N samples with it: with ``batch_size=1`` and
-        ``depth=2``, N = 6 threads fetch 6 samples at once, not 3. Never past the sampler's
-        ``len()``, nor while the samples are loaded in step (``inline()``: they would be
-        loaded now, in this thread, ahead of the loop's own draws).
+        One more is started while fewer than N (``pool.size``) samples are in flight and the
+        batches past the room's, with it, hold at most N samples: with ``batch_size=1`` and
+        ``depth=2``, N = 6 threads fetch 6 samples at once, not ``depth + 1``. Never past the
+        sampler's ``len()``, nor while the samples are loaded in step (``inline()``: they
+        would be loaded now, in this thread, ahead of the loop's own draws).
         """
         if self.inline():
             return
