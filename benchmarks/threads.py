@@ -1,10 +1,12 @@
 """Loading with threads against worker processes: samples/s, first batch, memory added.
 
-Two workloads behind a realistic dataset object, 200,000 (path, label) pairs:
+Three workloads behind a realistic dataset object, 200,000 (path, label) pairs:
 
 - ``jpeg``: the bench's JPEG files (cycled), decoded with PIL, cropped as ``RandomResizedCrop``
   does and resized to 224 x 224: native code that releases the GIL;
-- ``python``: pure-Python arithmetic in ``__getitem__`` (about 1 ms), which holds the GIL.
+- ``python``: pure-Python arithmetic in ``__getitem__`` (about 1 ms), which holds the GIL;
+- ``sleep``: ``__getitem__`` waits 10 ms without the GIL, as a read from a network file system
+  or an object store does (run it with ``--batch-size 1`` for detection-style small batches).
 
 Ways: the serial DataLoader; DataLoader ``num_workers=1..W`` (W: the cores);
 ``nostall.prefetch(threads=1..2W)`` over ``num_workers=0``; torchdata.nodes
@@ -14,7 +16,9 @@ and iterates one epoch without a training step (this measures loading): the time
 batch, samples/s over the epoch, and the memory loading added: the peak PSS of the process and
 its children together (psutil, sampled every 20 ms) minus the PSS before the loader was built.
 
-Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|python] [--repeats 3]
+``--ways serial,workers:2,nostall:6`` runs only those ways (``way:count``).
+
+Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|python|sleep] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -55,8 +59,24 @@ class PythonWork(Dataset[tuple[torch.Tensor, int]]):
         return torch.full((3, 8, 8), total % 251, dtype=torch.uint8), index % 10
 
 
+class SleepingReads(Dataset[tuple[torch.Tensor, int]]):
+    """Each sample waits 10 ms without the GIL (an I/O read), over 200,000 (path, label) pairs."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        time.sleep(0.01)
+        return torch.full((3, 8, 8), index % 251, dtype=torch.uint8), index % 10
+
+
 def dataset(workload: str, cache: str | None) -> Dataset[Any]:
-    """200,000 (path, label) pairs cycling over the cached JPEG files, for either workload."""
+    """200,000 (path, label) pairs cycling over the cached JPEG files, for each workload."""
+    if workload == "sleep":  # no file is read: no JPEG cache to make
+        return SleepingReads([f"{i:06d}.jpg" for i in range(PAIRS)])
     files = jpeg_files(cache, 256)
     paths = [str(files[i % len(files)]) for i in range(PAIRS)]
     return JpegImages(paths, 224) if workload == "jpeg" else PythonWork(paths)  # type: ignore[arg-type]
@@ -151,14 +171,23 @@ def one_run(
     return {"first_s": first, "samples_per_s": samples / elapsed}
 
 
+def chosen(way: str) -> tuple[str, int]:
+    """``--ways``'s ``way:count`` (``serial`` alone)."""
+    name, _, count = way.partition(":")
+    if name not in ("serial", "workers", "nostall", "torchdata", "spdl"):
+        raise SystemExit(f"--ways: no way {name!r}; pass serial, workers:N, nostall:N, ...")
+    return name, int(count or 0)
+
+
 def main() -> None:
     """Run every way in fresh processes, alternating, and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=("jpeg", "python"), default="jpeg")
+    parser.add_argument("--workload", choices=("jpeg", "python", "sleep"), default="jpeg")
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jpeg-cache", default=None)
+    parser.add_argument("--ways", default=None, help="only these, e.g. serial,workers:2,nostall:6")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # way:count:mode, in a child process
     args = parser.parse_args()
     if args.one:
@@ -184,6 +213,8 @@ def main() -> None:
         ways += [("spdl", t) for t in range(1, 2 * cores + 1)]
     except ImportError:
         print("spdl is not installed: no SPDL rows", file=sys.stderr)
+    if args.ways:
+        ways = [chosen(way) for way in args.ways.split(",")]
     results: dict[tuple[str, int], list[dict[str, float]]] = {w: [] for w in ways}
     command = [
         sys.executable,
@@ -208,7 +239,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    serial = statistics.median(r["samples_per_s"] for r in results[("serial", 0)])
+    serial_runs = results.get(("serial", 0), [])
+    serial = statistics.median(r["samples_per_s"] for r in serial_runs) if serial_runs else None
     table = Table(
         title=f"{args.workload}: {args.batches} batches of {args.batch_size}, {cores} cores, "
         f"medians (min-max) of {args.repeats} fresh processes; load average {load:.2f} at the "
@@ -227,11 +259,11 @@ def main() -> None:
             cells.append(
                 f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
             )
-        speed = statistics.median(r["samples_per_s"] for r in runs) / serial
+        speed = statistics.median(r["samples_per_s"] for r in runs) / serial if serial else None
         name = {"serial": "DataLoader serial", "workers": f"DataLoader num_workers={count}"}.get(
             way, f"{way} {count} thread{'s' if count > 1 else ''}"
         )
-        table.add_row(name, cells[0], f"{speed:.2f}", cells[1], cells[2])
+        table.add_row(name, cells[0], "-" if speed is None else f"{speed:.2f}", cells[1], cells[2])
     Console(width=140).print(table)
 
 

@@ -129,3 +129,12 @@ def test_gpu_check_fails_when_a_step_fails(tmp_path: Path) -> None:
     assert ("failed", 3) == (outcome.status, outcome.returncode)
     slow = gpu_check.Step("slow", ("-c", "import time; time.sleep(60)"), 0.5, False, "sleeps")
     assert "timed out" == gpu_check.run_step(slow, tmp_path / "steps.log").status
+
+
+def test_threads_measures_only_the_ways_asked_for() -> None:
+    """The sleeping (I/O-like) workload at batch_size=1: one row per way asked for."""
+    args = ("--workload", "sleep", "--batch-size", "1", "--batches", "3", "--repeats", "1")
+    done = run("threads.py", *args, "--ways", "nostall:2")
+    assert 0 == done.returncode, done.stderr
+    assert "nostall 2 threads" in done.stdout
+    assert "DataLoader serial" not in done.stdout

@@ -49,3 +49,22 @@ def test_at_most_size_tasks_run_at_once_and_the_rest_wait_in_order() -> None:
     assert [0, 1, 2, 3, 4] == [future.result(timeout=60) for future in futures]
     wait_until(lambda: 0 == pool.live, "the idle threads ended")
     assert [0, 1] == pool.free_ids
+
+
+def test_in_flight_counts_the_tasks_queued_and_running() -> None:
+    """One thread, three tasks: all three in flight (one running, two queued), then none."""
+    pool = Pool(1, "nostall-load-test")
+    release = threading.Event()
+    started = threading.Event()
+
+    def run(worker: int) -> int:
+        started.set()
+        assert release.wait(timeout=60), "never released"
+        return worker
+
+    futures = [pool.submit(run) for _ in range(3)]
+    assert started.wait(timeout=60), "no task started"
+    assert 3 == pool.in_flight()
+    release.set()
+    assert [0, 0, 0] == [future.result(timeout=60) for future in futures]
+    wait_until(lambda: 0 == pool.in_flight(), "no task in flight")

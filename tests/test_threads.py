@@ -143,16 +143,28 @@ def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew() -> None:
 
 
 def test_look_ahead_follows_the_room_it_is_given() -> None:
-    """An epoch starts as many batches ahead as room() allows, no more."""
+    """An epoch starts as many batches ahead as room() allows, no more.
+
+    Batches of 3 for 2 threads: none fits the threads' spare samples (test_small_batches_...).
+    """
     pool = Pool(2, "nostall-load")
     for room in (0, 2):
 
         def given(r: int = room) -> int:
             return r
 
-        epoch = ThreadedEpoch(DataLoader(as_dataset(list(range(20))), batch_size=2), pool, given)
-        assert [0, 1] == next(epoch).tolist()
+        epoch = ThreadedEpoch(DataLoader(as_dataset(list(range(20))), batch_size=3), pool, given)
+        assert [0, 1, 2] == next(epoch).tolist()
         assert room == len(epoch.pending)
+
+
+def test_no_batch_is_started_for_idle_threads_while_loading_in_step() -> None:
+    """inline(): only the batch asked for is loaded, by the calling thread; none ahead."""
+    data = Numbers(draw=False)
+    loader = DataLoader(data, batch_size=1)
+    epoch = ThreadedEpoch(loader, Pool(4, "nostall-load"), inline=lambda: True)
+    assert [[0]] == first_parts([next(epoch)])
+    assert ([0], 0) == (data.fetched, len(epoch.pending))
 
 
 def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
@@ -167,7 +179,8 @@ def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
     assert [4, 5] == next(resumed).tolist()
 
 
-def test_the_look_ahead_never_asks_the_sampler_past_its_length() -> None:
+@pytest.mark.parametrize(("depth", "threads"), [(8, 2), (1, 6)])
+def test_the_look_ahead_never_asks_the_sampler_past_its_length(depth: int, threads: int) -> None:
     """Taking len(loader) batches, as Lightning does, never exhausts the sampler's iterator."""
     asked_past_end = []
 
@@ -180,7 +193,7 @@ def test_the_look_ahead_never_asks_the_sampler_past_its_length() -> None:
             return 3
 
     loader = DataLoader(as_dataset(list(range(6))), batch_sampler=Counted())
-    it = iter(nostall.prefetch(loader, "cpu", depth=8, threads=2))
+    it = iter(nostall.prefetch(loader, "cpu", depth=depth, threads=threads))
     assert [[0, 1], [2, 3], [4, 5]] == [next(it).tolist() for _ in range(len(loader))]
     assert [] == asked_past_end
     with pytest.raises(StopIteration):
@@ -188,7 +201,8 @@ def test_the_look_ahead_never_asks_the_sampler_past_its_length() -> None:
     assert [True] == asked_past_end
 
 
-def test_a_sampler_error_comes_after_the_batches_before_it() -> None:
+@pytest.mark.parametrize(("depth", "threads"), [(3, 2), (1, 6)])
+def test_a_sampler_error_comes_after_the_batches_before_it(depth: int, threads: int) -> None:
     """The batch sampler's own error in its place, then the epoch ends, as a DataLoader's."""
     failure = RuntimeError("the sampler broke")
 
@@ -216,7 +230,7 @@ def test_a_sampler_error_comes_after_the_batches_before_it() -> None:
     loader = DataLoader(as_dataset(list(range(6))), batch_sampler=Breaks())
     expected = run(loader)
     assert expected == [[0, 1], [2, 3], [4, 5], "the sampler broke"]
-    assert expected == run(nostall.prefetch(loader, "cpu", depth=3, threads=2))
+    assert expected == run(nostall.prefetch(loader, "cpu", depth=depth, threads=threads))
 
 
 def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
@@ -263,12 +277,50 @@ def test_samples_of_one_batch_load_in_parallel() -> None:
     assert [[0, 1, 2, 3], [4, 5, 6, 7]] == batches
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-def test_threads_start_no_more_than_depth_batches_ahead(depth: int) -> None:
-    """Batches started and not yet handed out never exceed depth, checked at every fetch.
+class InFlightTogether(Dataset[int]):
+    """Each fetch waits (30 s at most) until ``together`` fetches are in flight at once."""
+
+    def __init__(self, n: int, together: int) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(together, timeout=30)  # broken (raises) at the deadline
+        self.wait = True
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if self.wait:
+            self.barrier.wait()
+        return i
+
+
+def test_small_batches_keep_every_loading_thread_fetching() -> None:
+    """batch_size=1, threads=6, depth=2: six samples in flight at once, the loader's batches."""
+    data = InFlightTogether(24, together=6)  # 4 rounds of 6: every round needs all 6 threads
+    g = torch.Generator()
+    loader = DataLoader(data, batch_size=1, shuffle=True, generator=g)
+    data.wait = False
+    g.manual_seed(3)
+    expected = list(loader)
+    data.wait = True
+    g.manual_seed(3)
+    with unwatched():  # no sample loaded in the loop's thread first (see test_global_draws)
+        batches = nostall.prefetch(loader, "cpu", depth=2, threads=6)
+    assert_same_batches(expected, batches)
+
+
+@pytest.mark.parametrize(
+    ("depth", "size", "threads"), [(1, 3, 2), (2, 3, 2), (3, 3, 2), (2, 3, 3), (2, 1, 6)]
+)
+def test_threads_start_no_more_than_depth_batches_and_a_sample_per_thread_ahead(
+    depth: int, size: int, threads: int
+) -> None:
+    """Samples started and not handed out stay within depth batches plus threads samples.
 
     ``taken`` counts the batches the loop body got; one more may be in the middle of being
-    handed out (inside ``next()``), so batch ``taken + depth`` is the furthest allowed.
+    handed out (inside ``next()``), so the samples of batches up to ``taken + depth``, then
+    ``threads`` more (started for threads that would be idle), are the furthest allowed.
+    Checked at every fetch.
     """
     taken = [0]
     too_far: list[tuple[int, int]] = []
@@ -278,15 +330,14 @@ def test_threads_start_no_more_than_depth_batches_ahead(depth: int) -> None:
             return 60
 
         def __getitem__(self, i: int) -> int:
-            if i // 3 > taken[0] + depth:
-                too_far.append((i // 3, taken[0]))
+            if i >= (taken[0] + depth + 1) * size + threads:
+                too_far.append((i, taken[0]))
             return i
 
-    for batch in nostall.prefetch(
-        DataLoader(Watched(), batch_size=3), "cpu", depth=depth, threads=3
-    ):
+    loader = DataLoader(Watched(), batch_size=size)
+    for batch in nostall.prefetch(loader, "cpu", depth=depth, threads=threads):
         taken[0] += 1
-        assert batch.tolist() == list(range(3 * taken[0] - 3, 3 * taken[0]))
+        assert batch.tolist() == list(range(size * taken[0] - size, size * taken[0]))
     assert [] == too_far
 
 

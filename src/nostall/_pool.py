@@ -83,6 +83,11 @@ class Pool:
                 self.work.notify()
         return future
 
+    def in_flight(self) -> int:
+        """Tasks queued or being run now (a thread :meth:`abandon` let go no longer counts)."""
+        with self.lock:
+            return len(self.tasks) + len(self.running)
+
     def _start_thread(self, future: Future[Any] | None) -> bool:
         """Start one thread (the caller holds ``lock``, with ``live < size``); True if started.
 

@@ -21,8 +21,13 @@ Invariants:
       threads: while ``inline()`` (a dataset that may draw from them, see
       :mod:`nostall._global_draws`) the samples are loaded one at a time in the thread that
       asks for the batch, in order, so that such draws stay the plain loop's.
-    * At most ``room()`` batches beyond the one asked for are started (the prefetcher gives
-      its free slots, so that batches started and not handed out stay within ``depth``).
+    * At most ``room()`` batches beyond the one asked for are started to fill the
+      prefetcher's free slots (so that those batches stay within ``depth``). Beyond them,
+      while fewer than N samples are in flight (queued or being fetched), the following
+      batches are started too, so that N threads fetch whenever N samples are wanted, also
+      with batches smaller than N (``batch_size=1``): those batches hold N samples at most
+      in all. So what is started and not handed out stays within ``depth`` batches plus N
+      samples (no such batch is started while the samples are loaded in step, ``inline()``).
     * An error of the sampler itself comes after the batches it drew before it, as the
       DataLoader's does, and ends the epoch.
     * The look-ahead never asks the sampler past its ``len()``: asking for the end has effects
@@ -39,12 +44,13 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
@@ -72,9 +78,12 @@ from ._warn import warn
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
 POLL_S = 0.1
 
-#: The most loading threads ``threads=`` takes. Threads start per sample in flight (up to a
-#: batch's samples times ``depth + 1``), so a larger count starts hundreds of threads that
-#: share one GIL; past about the cores (more for I/O-bound samples) they only add switching.
+#: ``ThreadedEpoch.drawn`` when no batch's indices are drawn and not started.
+_NONE: Any = object()
+
+#: The most loading threads ``threads=`` takes. Threads start per sample in flight (up to N
+#: whenever N samples are wanted), so a larger count starts hundreds of threads that share
+#: one GIL; past about the cores (more for I/O-bound samples) they only add switching.
 #: ``nostall.tune`` tries counts up to this.
 MAX_THREADS = 256
 
@@ -235,7 +244,10 @@ class ThreadedEpoch(Iterator[Any]):
         self.indices = iter(sampler)
         self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
         self.room = room
-        self.pending: collections.deque[list[Future[Any]]] = collections.deque()
+        #: The batches started and not handed out: each one's futures and its sample count.
+        self.pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
+        #: The next batch's indices, drawn to see whether it fits the threads (``_NONE``: none).
+        self.drawn: Any = _NONE
         self.batch = first_batch  # the number in the epoch of the next batch started
         #: Batches in the epoch, when the sampler says (the look-ahead stops there).
         self.length = first_batch + len(sampler) if hasattr(sampler, "__len__") else None
@@ -256,7 +268,8 @@ class ThreadedEpoch(Iterator[Any]):
             and (self.length is None or self.batch < self.length)
         ):
             self._start_next()
-        futures = self.pending.popleft()
+        self._start_for_idle_threads()
+        futures, _ = self.pending.popleft()
         samples = [self._result(f) for f in futures]  # the first failed sample's error, if any
         if self.auto and self.getitems is None:
             batch = self.collate(samples)
@@ -305,28 +318,74 @@ class ThreadedEpoch(Iterator[Any]):
         line = stuck_at(thread).line
         return f"{sample} in {thread.name!r}" + (f" at {line}" if line else "")
 
-    def _start_next(self) -> bool:
-        """Queue the next batch's samples; False at the end of the sampler."""
-        if self.exhausted:
-            return False
+    def _start_for_idle_threads(self) -> None:
+        """Start the batches after the room's while a thread would have no sample to fetch.
+
+        One more is started while fewer than N (``pool.size``) samples are in flight and the
+        batches past the room's, with it, hold at most N samples: with ``batch_size=1`` and
+        ``depth=2``, N = 6 threads fetch 6 samples at once, not ``depth + 1``. Never past the
+        sampler's ``len()``, nor while the samples are loaded in step (``inline()``: they
+        would be loaded now, in this thread, ahead of the loop's own draws).
+        """
+        if self.inline():
+            return
+        size = self.pool.size
+        spare = size - sum(n for _, n in itertools.islice(self.pending, self.room() + 1, None))
+        while (
+            spare > 0
+            and self.pool.in_flight() < size
+            and (self.length is None or self.batch < self.length)
+        ):
+            index = self._peek()
+            samples = self._samples(index)
+            if index is _NONE or samples > spare:
+                return  # the end, the sampler's error (queued), or a batch too big to fit
+            self._start_next()
+            spare -= samples
+
+    def _samples(self, index: Any) -> int:
+        """The samples in the batch of ``index`` (more than any pool when it cannot tell)."""
+        if not self.auto:
+            return 1
+        return len(index) if isinstance(index, Sized) else MAX_THREADS + 1
+
+    def _peek(self) -> Any:
+        """The next batch's indices, drawn once and kept until it starts; ``_NONE`` at the end.
+
+        The sampler's own error is queued in its place as a failed batch (holding no sample),
+        and ends the epoch, as the DataLoader's does.
+        """
+        if self.drawn is not _NONE or self.exhausted:
+            return self.drawn
         try:
             index = next(self.indices)
+            if self.auto and self.getitems is None and not isinstance(index, Sized):
+                index = list(index)  # fetched one by one anyway: counted, then iterated
+            self.drawn = index
         except StopIteration:
             self.exhausted = True
-            return False
         except Exception as e:  # the sampler's own error: in its place, and the epoch ends
             self.exhausted = True
             failed: Future[Any] = Future()
             failed.set_exception(e)
-            self.pending.append([failed])
-            return True
+            self.pending.append(([failed], 0))
+        return self.drawn
+
+    def _start_next(self) -> bool:
+        """Queue the next batch's samples; False at the end of the sampler."""
+        before = len(self.pending)
+        index = self._peek()
+        if index is _NONE:
+            return len(self.pending) > before  # the sampler's error, queued in its place
+        self.drawn = _NONE
         batch, self.batch = self.batch, self.batch + 1
         if self.getitems is not None or not self.auto:
             fetch = self.getitems if self.getitems is not None else self.dataset.__getitem__
-            self.pending.append([self._submit(fetch, index, batch, 0)])
+            started = [self._submit(fetch, index, batch, 0)]
         else:
             fetch = self.dataset.__getitem__
-            self.pending.append([self._submit(fetch, i, batch, k) for k, i in enumerate(index)])
+            started = [self._submit(fetch, i, batch, k) for k, i in enumerate(index)]
+        self.pending.append((started, self._samples(index)))
         return True
 
     def _submit(
