@@ -2,7 +2,7 @@
 
 Each is compared with its own loader without nostall (same samples, same order), with worker
 processes and without; a resume that cannot be exact is warned of at the user's line; and
-``threads=``, which cannot load a stream, says so before anything else.
+``threads=`` over a stream loads it as worker processes would (see test_threaded_stream).
 """
 
 from __future__ import annotations
@@ -325,26 +325,24 @@ def test_a_seeded_shuffle_resumes_mid_epoch_exactly_in_a_fresh_process(
     assert uninterrupted[per_epoch + 2 :] == resumed["keys"]
 
 
-# --- threads= over a stream: the refusal that leads somewhere ----------------------------
+# --- threads= over a stream: the refusals that lead somewhere ---------------------------
 
 
-def test_threads_over_a_streaming_loader_with_workers_says_to_leave_threads_out() -> None:
-    """num_workers=2 and threads=: the first message's fix is one that works."""
+def test_threads_over_a_streaming_loader_with_workers_says_to_build_it_without() -> None:
+    """num_workers=2 and threads=: the fix is num_workers=0, and following it loads the same."""
     loader = DataLoader(ShardReader(4, 5), batch_size=3, num_workers=2)
-    with pytest.raises(ValueError, match="IterableDataset") as refused:
+    with pytest.raises(ValueError, match=r"num_workers=2: build it with num_workers=0"):
         nostall.prefetch(loader, threads=2)
-    message = str(refused.value)
-    assert "leave threads out" in message
-    assert "num_workers=0" not in message  # dropping the workers would only meet this refusal
-    # Following it works at once.
-    assert_same_batches(epochs(loader, 1), epochs(nostall.prefetch(loader), 1))
+    # Following it: two threads read the stream as the two worker processes did.
+    without = DataLoader(ShardReader(4, 5), batch_size=3)
+    assert_same_batches(epochs(loader, 1), epochs(nostall.prefetch(without, threads=2), 1))
 
 
-def test_threads_over_a_hf_stream_with_workers_says_to_leave_threads_out() -> None:
+def test_threads_over_a_hf_stream_with_workers_says_to_build_it_without() -> None:
     """The same for a Hugging Face IterableDataset behind a DataLoader with workers."""
     table = datasets.Dataset.from_dict({"y": list(range(8))})
     loader = DataLoader(table.to_iterable_dataset(num_shards=2), batch_size=2, num_workers=2)
-    with pytest.raises(ValueError, match=r"IterableDataset.*leave threads out"):
+    with pytest.raises(ValueError, match=r"build it with num_workers=0"):
         nostall.prefetch(loader, threads=2)
 
 

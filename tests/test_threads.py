@@ -14,7 +14,7 @@ from helpers import (
     refused_thread_starts,
     wait_for_no_nostall_threads,
 )
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import nostall
 from nostall._epochs import EpochSource
@@ -464,19 +464,13 @@ def test_a_thread_count_past_the_maximum_is_refused() -> None:
     ]
 
 
-def test_an_iterable_dataset_or_an_own_iter_is_refused() -> None:
-    """No index to fetch, or an iteration threads would bypass: refused, never bypassed."""
-
-    class Stream(IterableDataset[int]):
-        def __iter__(self) -> Any:
-            return iter(range(3))
+def test_an_own_iter_is_refused() -> None:
+    """An iteration threads would bypass: refused, never bypassed."""
 
     class Own(DataLoader[Any]):
         def __iter__(self) -> Any:
             return super().__iter__()
 
-    with pytest.raises(ValueError, match="IterableDataset"):
-        nostall.prefetch(DataLoader(Stream()), "cpu", threads=2)
     with pytest.raises(ValueError, match="iterates in its own way"):
         nostall.prefetch(Own(as_dataset(range(3))), "cpu", threads=2)
 

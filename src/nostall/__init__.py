@@ -16,6 +16,8 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       |   _global_draws   a source that draws from the global generators is pulled in step
       |   _pool           the loading threads: tasks in order, started on demand, idle ones end
       |   _threads        threads=: the loader's samples fetched by loading threads, in order
+      |   _threaded_stream  threads= over an IterableDataset: N threads as N workers, in turn
+      |   _threadable     whether threads= can load a source, checked once, with the fix
       |   _samplers       what the sampler says and does: set_epoch, its epoch, generators
       |   _skip           skipping the batches of an epoch already handed out, on resume
       |   _drawn_orders   what each epoch's order was drawn from, to draw it again on resume

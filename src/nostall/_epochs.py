@@ -34,6 +34,7 @@ from ._samplers import (
 )
 from ._skip import skip_ahead
 from ._sources import Client, classify
+from ._threaded_stream import ThreadedStream
 from ._threads import ThreadedEpoch
 from ._torch_compat import live_iterator
 
@@ -133,10 +134,12 @@ class EpochSource:
         self.orders.use_source(source)
 
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
-        """An epoch's iterator: the loader's own, or its samples loaded by the threads."""
+        """An epoch's iterator: the loader's own, or the threads' (by index, or as workers)."""
         if self.pool is None or self.mirror is not None:
             return iter(loader)
         draws = self.draws
+        if not self.kind.map_style:
+            return ThreadedStream(loader, self.pool, inline=lambda: draws.in_step)
         return ThreadedEpoch(
             loader,
             self.pool,

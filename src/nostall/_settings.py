@@ -9,7 +9,7 @@ from typing import Any, Literal
 from . import _arguments as check
 from ._device import DeviceLike
 from ._sharding import check_shardable
-from ._threads import check_threadable
+from ._threadable import check_threadable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import os
 import random
 import threading
 import time
@@ -58,12 +57,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ._accelerate import unthreadable_shard
 from ._exceptions import add_note
 from ._exit import ThreadLetGo
-from ._fabric import threads_refusal
 from ._pool import Pool, SampleFuture
-from ._sources import Client, classify
 from ._stacks import stuck_at
 from ._torch_compat import (
     answer_worker_info_per_thread,
@@ -72,14 +68,9 @@ from ._torch_compat import (
     loading_thread_info,
     pinning_like,
 )
-from ._transformers import is_trainer_seed_worker
-from ._warn import warn
 
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
 POLL_S = 0.1
-
-#: ``ThreadedEpoch.drawn`` when no batch's indices are drawn and not started.
-_NONE: Any = object()
 
 #: The most loading threads ``threads=`` takes. Threads start per sample in flight (up to N
 #: whenever N samples are wanted), so a larger count starts hundreds of threads that share
@@ -87,97 +78,8 @@ _NONE: Any = object()
 #: ``nostall.tune`` tries counts up to this.
 MAX_THREADS = 256
 
-
-_UNDER_TRAINER = "; under Hugging Face Trainer: TrainingArguments(dataloader_num_workers=0)"
-
-
-def check_threadable(source: object, threads: object) -> int | None:
-    """``threads`` as given to ``prefetch``: None, or an int >= 1 over a map-style DataLoader.
-
-    Raises:
-        TypeError: ``threads`` is not an int, or the source is not a ``DataLoader`` (an
-            ``IterableDataset`` is told to leave threads out; Fabric's loader is told to pass
-            the raw loader with ``shard=True``).
-        ValueError: ``threads`` < 1; then, in this order, so that the first refusal's fix is
-            one that works: an ``IterableDataset``, or a DataLoader subclass with its own
-            ``__iter__`` (torchdata's stateful one), which no setting makes threadable; a
-            loader with worker processes (``num_workers > 0``: the threads replace them, so
-            build it without). accelerate's prepared loader is accepted when the
-            ``DataLoader`` it iterates is (the threads load that one, inside accelerate's
-            iteration), except a dispatcher or a stateful one. Also ``threads`` past
-            :data:`MAX_THREADS`.
-
-    Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it
-    (except Trainer's own, see :func:`nostall._transformers.is_trainer_seed_worker`).
-    """
-    if threads is None:
-        return None
-    if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(
-            f"nostall.prefetch(threads=...) must be an int >= 1 or None (got {threads!r}); "
-            "pass e.g. threads=4"
-        )
-    if threads < 1:
-        raise ValueError(f"nostall.prefetch(threads=...) must be >= 1 (got {threads}); pass e.g. 4")
-    if threads > MAX_THREADS:
-        raise ValueError(
-            f"nostall.prefetch(threads=...) must be <= {MAX_THREADS} (got {threads}): the "
-            f"threads share one GIL, and past about the core count ({os.cpu_count()} here) they "
-            f"only add switching; pass e.g. threads=8 (more only for samples that wait on I/O)"
-        )
-    kind = classify(source)
-    if kind.client is Client.FABRIC:
-        raise TypeError(threads_refusal(threads))
-    if kind.iterable_dataset:  # a webdataset pipeline, WebLoader, HF's stream
-        raise TypeError(
-            f"threads= fetches a DataLoader's samples by index, and "
-            f"{type(source).__qualname__} is an IterableDataset, which can only be iterated "
-            f"in order: leave threads out (a DataLoader's num_workers= loads it in processes)"
-        )
-    if kind.loader is None:  # accelerate's loaders claim the class: see below
-        raise TypeError(
-            f"threads= loads a torch.utils.data.DataLoader's batches with threads; got "
-            f"{type(source).__qualname__}: pass the DataLoader itself, or leave threads out"
-        )
-    loader = kind.loader
-    # What threads can never load is refused before what a changed argument would fix, so
-    # that following the first message reaches a working setting (an IterableDataset with
-    # num_workers=2 must not be told to drop its workers, only to be refused next).
-    why = ""
-    if not kind.map_style:
-        why = "its dataset is an IterableDataset, whose items cannot be fetched by index"
-    elif kind.client is Client.ACCELERATE:
-        # Else its DataLoader is loaded inside accelerate's.
-        base = classify(getattr(loader, "base_dataloader", None))
-        why = unthreadable_shard(loader, base.torch_iteration)
-    elif not kind.torch_iteration:
-        why = (
-            f"{type(loader).__qualname__} iterates in its own way, which threads would bypass; "
-            f"build a plain DataLoader over a map-style dataset"
-        )
-    if why:
-        raise ValueError(
-            f"threads= cannot load this DataLoader: {why}; or leave threads out (num_workers= "
-            "loads in processes)"
-        )
-    if loader.num_workers > 0:
-        trainer = _UNDER_TRAINER if kind.client is Client.ACCELERATE else ""
-        raise ValueError(
-            f"threads= loads in place of the DataLoader's worker processes, and this one was "
-            f"built with num_workers={loader.num_workers}: build it with num_workers=0 (the "
-            f"threads do its loading{trainer}), or leave threads out to keep the processes"
-        )
-    if loader.worker_init_fn is not None and not is_trainer_seed_worker(loader.worker_init_fn):
-        warn(
-            f"nostall.prefetch(threads={threads}): this DataLoader's worker_init_fn "
-            f"({getattr(loader.worker_init_fn, '__qualname__', loader.worker_init_fn)!r}) is not "
-            f"called: loading threads are not worker processes, and they share one dataset "
-            f"object. If it opens a file or seeds a generator per worker, do that on first use in "
-            f"each thread instead (threading.local(), get_worker_info().id), or draw from "
-            f"torch.thread_safe_generator(); leave threads out to keep worker processes",
-            UserWarning,
-        )
-    return threads
+#: ``ThreadedEpoch.drawn`` when no batch's indices are drawn and not started.
+_NONE: Any = object()
 
 
 class SampleRng:

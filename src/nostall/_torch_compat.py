@@ -153,14 +153,35 @@ def answer_worker_info_per_thread() -> None:
     one each. The function is replaced, process-wide, by one that answers the info set by
     :func:`loading_thread_info` in a loading thread and torch's own answer everywhere else, so
     other threads see no change. ``torch.thread_safe_generator()`` looks the function up in
-    ``torch.utils.data`` on every call, so it finds the replacement; code that bound torch's
-    function before (``from torch.utils.data import get_worker_info``) keeps torch's, which
-    answers None in a loading thread. Checked on :data:`CHECKED_TORCH`; a torch without
-    ``thread_safe_generator`` gives the sample's generators through ``get_worker_info()`` only.
-    Calling it again changes nothing.
+    ``torch.utils.data`` on every call, so it finds the replacement. Code that bound torch's
+    function before (``from torch.utils.data import get_worker_info``, the common way in a
+    dataset that splits its shards by worker) holds torch's function object itself: its code
+    is replaced by the same answer, read from torch's module (``_worker_info``) outside loading
+    threads, so that such a dataset splits its shards between loading threads as between
+    worker processes instead of giving each thread all of them. Checked on
+    :data:`CHECKED_TORCH`, whose function only returns that global; a torch whose function
+    does more keeps its code (``tests/test_torch_compat.py`` fails there until this is checked
+    again). Calling it again changes nothing.
     """
     if torch.utils.data.get_worker_info is not _get_worker_info:
         torch.utils.data.get_worker_info = _get_worker_info
+    torchs = _torch_get_worker_info
+    if "_nostall_loading" not in torchs.__globals__ and torchs.__code__.co_names == (
+        "_worker_info",
+    ):
+        namespace: dict[str, Any] = {}
+        exec(_PER_THREAD_SOURCE, namespace)  # a fixed source, compiled once
+        torchs.__globals__["_nostall_loading"] = _loading
+        torchs.__code__ = namespace["get_worker_info"].__code__
+
+
+#: The code torch's ``get_worker_info`` runs once :func:`answer_worker_info_per_thread` ran,
+#: with torch's worker module as its globals.
+_PER_THREAD_SOURCE = """
+def get_worker_info():
+    info = getattr(_nostall_loading, "info", None)
+    return info if info is not None else _worker_info
+"""
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from ._global_draws import draws_of
 from ._sources import classify
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
-from ._threads import check_threadable
+from ._threadable import check_threadable
 from ._timing import Measured
 from ._trial import LOADER_KNOBS as LOADER_KNOBS
 from ._trial import YOURS as YOURS

@@ -1,0 +1,252 @@
+"""``threads=N`` over an ``IterableDataset``: N loading threads iterate it as N workers would.
+
+A DataLoader with ``num_workers=N`` over an ``IterableDataset`` gives each worker process its
+own iterator of the dataset (``get_worker_info()`` tells the dataset which worker of how many
+it is, so that a dataset reading shards gives each worker its own), batches each worker's items
+in that worker, and yields the workers' batches in turn: worker 0's first batch, worker 1's
+first, ..., worker 0's second, skipping a worker once its iterator ended. A
+:class:`ThreadedStream` does the same with N threads of this process.
+
+Invariants:
+    * The batches, and their order, are those of the loader built with ``num_workers=N``:
+      worker w's iterator is made with ``get_worker_info()`` answering ``id=w,
+      num_workers=N`` in the thread that advances it, its items batched as torch's fetcher
+      batches them (``batch_size`` items, a shorter last batch unless ``drop_last``, each
+      batch collated by the loader's ``collate_fn``), and the workers take turns in order.
+    * An epoch draws from the global generator what the loader's ``iter()`` draws: its base
+      seed, from ``loader.generator``. Worker w's generators (``torch.thread_safe_generator()``,
+      ``get_worker_info().rng``) are seeded ``base_seed + w``, as torch seeds worker w.
+    * While ``inline()`` (a dataset that may draw from the global generators, see
+      :mod:`nostall._global_draws`) the consumer's thread advances each worker's iterator in
+      turn itself, so that such draws keep the plain loop's order; the threads start only once
+      it is False (for the rest of the epoch, each worker's iterator goes on in its thread).
+    * Each worker's thread keeps at most one finished batch waiting (and one being made): what
+      the epoch holds ahead is at most 2N batches.
+    * An error in a worker's iterator is raised at that worker's turn, as the same exception
+      object with a note naming the worker and the thread; the epoch goes on with the next
+      worker's turn, and the worker that raised is asked again at its next turn (a generator
+      that raised has ended: its turn then ends it), as a DataLoader's worker is.
+    * Dropping the epoch (``break``, ``close()``, garbage collection) stops each thread at its
+      next batch; one inside the dataset's ``__next__`` ends when that returns.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ._exceptions import add_note
+from ._exit import ThreadLetGo
+from ._pool import Pool
+from ._threads import POLL_S, SampleRng
+from ._torch_compat import (
+    answer_worker_info_per_thread,
+    auto_collation,
+    index_sampler,
+    loading_thread_info,
+    pinning_like,
+)
+
+
+class _Turn(enum.Enum):
+    BATCH = "batch"
+    ERROR = "error"
+    END = "end"
+
+
+class _Worker:
+    """Worker w's iterator of the dataset, advanced in whichever one thread holds ``lock``."""
+
+    def __init__(self, index: int, seed: int) -> None:
+        self.index, self.seed = index, seed
+        self.rng = SampleRng(seed)
+        self.iterator: Iterator[Any] | None = None
+        #: The iterator raised StopIteration (inside a short last batch): its next turn ends.
+        self.exhausted = False
+        #: Its end was made: the consumer skips its turns once it took what is ready.
+        self.ended = False
+        self.lock = threading.Lock()
+        #: Batches the worker's thread made and the consumer has not taken (at most one).
+        self.ready: queue.Queue[tuple[_Turn, Any]] = queue.Queue(maxsize=1)
+        self.thread: Future[Any] | None = None
+
+
+class ThreadedStream(Iterator[Any]):
+    """One epoch of ``loader`` (over an ``IterableDataset``) read by ``pool``'s N threads."""
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        pool: Pool,
+        *,
+        inline: Callable[[], bool] = lambda: False,
+    ) -> None:
+        answer_worker_info_per_thread()
+        self.pool, self.inline = pool, inline
+        self.fetcher = _Fetcher(loader, pool.size)
+        # What DataLoader.__iter__ draws, in its order: the sampler's iterator (an infinite
+        # constant sampler here: nothing), then the workers' base seed.
+        iter(index_sampler(loader))
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
+        self.workers = [_Worker(w, base_seed + w) for w in range(pool.size)]
+        self.turn = 0  # the worker whose batch comes next
+        #: The loader's own ``timeout`` (seconds a batch may take), as its workers apply it.
+        self.timeout = float(loader.timeout) if loader.timeout else None
+        self.started = False
+        self.dropped = threading.Event()  # the epoch was let go: the threads stop
+        weakref.finalize(self, self.dropped.set)
+
+    def __next__(self) -> Any:
+        while True:
+            live = [w for w in self.workers if not w.ended or not w.ready.empty()]
+            if not live:
+                raise StopIteration
+            worker = self.workers[self.turn]
+            self.turn = (self.turn + 1) % len(self.workers)
+            if worker.ended and worker.ready.empty():
+                continue  # its iterator ended at an earlier turn: skipped, as torch skips it
+            if self.inline() and not self.started:
+                kind, payload = self.fetcher.fetch(worker)
+            else:
+                self._start()
+                kind, payload = self._take(worker)
+            if kind is _Turn.END:
+                continue
+            if kind is _Turn.ERROR:
+                raise payload
+            return payload
+
+    def _start(self) -> None:
+        """Start one long task per worker on the pool (once; each goes on from where it is)."""
+        if self.started:
+            return
+        self.started = True
+        fetch, dropped = self.fetcher.fetch, self.dropped  # not self: see _Fetcher
+        for worker in self.workers:
+            if not worker.ended:
+                worker.thread = self.pool.submit(_task(fetch, worker, dropped))
+
+    def _take(self, worker: _Worker) -> tuple[_Turn, Any]:
+        """Worker ``worker``'s next message, waited for in slices (an exit interrupt gets in)."""
+        start = time.monotonic()
+        while True:
+            try:
+                return worker.ready.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+            thread = worker.thread
+            if thread is not None and thread.done() and worker.ready.empty():
+                error = thread.exception()
+                if error is None:  # ended without a last message: only when dropped
+                    worker.ended = True
+                    return _Turn.END, None
+                worker.ended = True
+                return _Turn.ERROR, error
+            if self.timeout is not None and time.monotonic() - start >= self.timeout:
+                raise RuntimeError(
+                    f"DataLoader timed out after {self.timeout:g} seconds: worker "
+                    f"{worker.index}'s next batch has not come (the DataLoader's timeout=, "
+                    f"applied to each batch by nostall's loading threads)"
+                )
+
+
+_END: Any = object()
+
+
+class _Fetcher:
+    """Makes a worker's batches as torch's iterable-dataset fetcher does; holds no stream.
+
+    The threads' tasks hold this and their worker, never the :class:`ThreadedStream`, so that
+    dropping the stream lets its finaliser stop them.
+    """
+
+    def __init__(self, loader: DataLoader[Any], workers: int) -> None:
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self.batch_size = loader.batch_size if auto_collation(loader) else None
+        self.drop_last = loader.drop_last
+        self.pin = pinning_like(loader)
+        self.workers = workers
+
+    def fetch(self, worker: _Worker) -> tuple[_Turn, Any]:
+        """Make worker ``worker``'s next batch in this thread, as torch's fetcher makes it."""
+        with (
+            worker.lock,
+            loading_thread_info(
+                worker=worker.index,
+                workers=self.workers,
+                seed=worker.seed,
+                dataset=self.dataset,
+                rng=worker.rng,
+            ),
+        ):
+            if worker.ended or worker.exhausted:
+                worker.ended = True
+                return _Turn.END, None
+            try:
+                if worker.iterator is None:
+                    worker.iterator = iter(self.dataset)
+                batch = self.next_batch(worker, worker.iterator)
+            except ThreadLetGo:
+                raise
+            except Exception as e:
+                add_note(
+                    e,
+                    f"nostall: raised by the dataset's iterator in worker {worker.index} of "
+                    f"{self.workers}, in {threading.current_thread().name!r}",
+                )
+                return _Turn.ERROR, e
+            if batch is _END:
+                worker.ended = True
+                return _Turn.END, None
+            return _Turn.BATCH, batch if self.pin is None else self.pin(batch)
+
+    def next_batch(self, worker: _Worker, items: Iterator[Any]) -> Any:
+        if self.batch_size is None:
+            try:
+                item = next(items)
+            except StopIteration:
+                return _END
+            return self.collate(item)
+        batch = []
+        for _ in range(self.batch_size):
+            try:
+                batch.append(next(items))
+            except StopIteration:
+                worker.exhausted = True  # the next turn ends it, after this short batch
+                break
+        if not batch or (self.drop_last and len(batch) < self.batch_size):
+            return _END
+        return self.collate(batch)
+
+
+def _run(
+    fetch: Callable[[_Worker], tuple[_Turn, Any]], worker: _Worker, dropped: threading.Event
+) -> None:
+    """A worker's thread: make its batches in turn until its iterator ends or it is dropped."""
+    while not dropped.is_set():
+        message = fetch(worker)
+        while True:
+            try:
+                worker.ready.put(message, timeout=POLL_S)
+                break
+            except queue.Full:
+                if dropped.is_set():
+                    return
+        if message[0] is _Turn.END:
+            return
+
+
+def _task(
+    fetch: Callable[[_Worker], tuple[_Turn, Any]], worker: _Worker, dropped: threading.Event
+) -> Callable[[int], None]:
+    """The pool task of ``worker``'s thread (see :func:`_run`)."""
+    return lambda _thread_id: _run(fetch, worker, dropped)

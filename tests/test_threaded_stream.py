@@ -1,0 +1,225 @@
+"""threads=N over an IterableDataset: the batches, in the order, of N worker processes."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same_batches, wait_for_no_nostall_threads
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+import nostall
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The reference loaders start 3 worker processes on a 2-core machine, which torch warns of.
+# webdataset leaves a shard's file to the garbage collector (with worker processes too).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.filterwarnings("ignore:unclosed file:ResourceWarning"),
+]
+
+
+class Shards(IterableDataset[torch.Tensor]):
+    """Shards of uneven lengths; each worker reads every num_workers-th shard.
+
+    Reads ``get_worker_info`` as most datasets do: imported from ``torch.utils.data``. Each
+    item holds the shard, its place and the worker's seed, so that the seeds are compared too.
+    """
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        seed = 0 if info is None else info.seed
+        shards = list(range(len(self.lengths)))
+        if self.epoch:  # another order of shards each epoch, as a stream shuffles them
+            shards = shards[self.epoch % len(shards) :] + shards[: self.epoch % len(shards)]
+        for shard in shards[worker::workers]:
+            for i in range(self.lengths[shard]):
+                yield torch.tensor([shard, i, seed % 1000])
+
+
+def with_processes(dataset: Any, workers: int, **loader: Any) -> list[Any]:
+    """The batches of the loader built with ``num_workers=workers``, the reference."""
+    torch.manual_seed(7)
+    return list(DataLoader(dataset, num_workers=workers, **loader))
+
+
+def with_threads(dataset: Any, workers: int, **loader: Any) -> list[Any]:
+    """The batches of ``prefetch(DataLoader(num_workers=0), threads=workers)``."""
+    torch.manual_seed(7)
+    with nostall.prefetch(DataLoader(dataset, **loader), "cpu", threads=workers) as p:
+        return list(p)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "loader",
+    [
+        {"batch_size": 4},
+        {"batch_size": 4, "drop_last": True},
+        {"batch_size": None},
+    ],
+    ids=["batched", "drop_last", "unbatched"],
+)
+def test_the_batches_and_order_of_n_worker_processes(workers: int, loader: dict[str, Any]) -> None:
+    """Uneven shards, workers ending at different turns: the same batches, same order, seeds."""
+    dataset = Shards([9, 2, 7, 0, 5, 11])
+    expected = with_processes(dataset, workers, **loader)
+    assert_same_batches(expected, with_threads(dataset, workers, **loader))
+
+
+def test_each_thread_is_its_own_worker() -> None:
+    """``get_worker_info()`` answers each thread its worker id, of N, in a loading thread."""
+    seen: dict[int, set[str]] = {}
+    lock = threading.Lock()
+
+    class Who(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            info = get_worker_info()
+            assert info is not None
+            for i in range(20):
+                with lock:
+                    seen.setdefault(info.id, set()).add(threading.current_thread().name)
+                yield info.id * 100 + i
+
+    batches = with_threads(Who(), 3, batch_size=5)
+    assert {0, 1, 2} == set(seen)
+    # The first turns are loaded in the loop's thread while nostall checks that the dataset
+    # draws nothing from the global generators; the loading threads go on from there.
+    names = set().union(*seen.values())
+    assert any(name.startswith("nostall-load") for name in names), names
+    assert names <= {threading.main_thread().name} | {f"nostall-load-{i}" for i in range(3)}
+    assert [b[0].item() // 100 for b in batches] == [0, 1, 2] * 4  # in turn
+
+
+def test_set_epoch_reaches_the_dataset_before_its_workers_iterate() -> None:
+    """``set_epoch`` on the prefetcher: each epoch's shard order, as the plain loop's."""
+    dataset = Shards([3, 4, 5, 6])
+    p = nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=2)
+    for epoch in range(3):
+        p.set_epoch(epoch)
+        torch.manual_seed(epoch)
+        got = list(p)
+        torch.manual_seed(epoch)
+        expected = list(DataLoader(dataset, batch_size=2, num_workers=2))  # epoch is set
+        assert_same_batches(expected, got)
+    p.close()
+
+
+class Failing(IterableDataset[torch.Tensor]):
+    """Worker 1's items raise at its third; as an iterator object that goes on, or a generator."""
+
+    def __init__(self, generator: bool) -> None:
+        self.generator = generator
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        if self.generator:
+            return self._generate(worker)
+        return _GoesOn(worker)
+
+    def _generate(self, worker: int) -> Iterator[torch.Tensor]:
+        for i in range(6):
+            if worker == 1 and i == 2:
+                raise ValueError(f"bad item {i} of worker {worker}")
+            yield torch.tensor([worker, i])
+
+
+class _GoesOn(Iterator[torch.Tensor]):
+    def __init__(self, worker: int) -> None:
+        self.worker, self.i = worker, 0
+
+    def __next__(self) -> torch.Tensor:
+        i, self.i = self.i, self.i + 1
+        if i >= 6:
+            raise StopIteration
+        if self.worker == 1 and i == 2:
+            raise ValueError(f"bad item {i} of worker {self.worker}")
+        return torch.tensor([self.worker, i])
+
+
+def outcomes(loader: Any) -> list[Any]:
+    """Each ``next()``: the batch, or the error's type; a loop that catches errors and goes on."""
+    it, seen = iter(loader), []
+    while True:
+        try:
+            seen.append(next(it).tolist())
+        except StopIteration:
+            return seen
+        except ValueError:
+            seen.append("ValueError")
+
+
+@pytest.mark.parametrize("generator", [False, True], ids=["iterator", "generator"])
+def test_an_error_comes_at_its_workers_turn_and_the_epoch_goes_on(generator: bool) -> None:
+    """A worker's error is raised at its turn; the others go on, as with worker processes."""
+    dataset = Failing(generator)
+    expected = outcomes(DataLoader(dataset, batch_size=2, num_workers=2))
+    with nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=2) as p:
+        assert expected == outcomes(p)
+
+
+def test_a_break_leaves_no_loading_thread() -> None:
+    """Leaving an epoch mid-way and closing stops every worker's thread."""
+    p = nostall.prefetch(DataLoader(Shards([50] * 4), batch_size=2), "cpu", threads=4)
+    for i, _ in enumerate(p):
+        if i == 3:
+            break
+    p.close()
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)
+
+
+def test_a_state_saved_mid_epoch_resumes_the_rest() -> None:
+    """``state_dict`` after 5 batches; a fresh prefetcher loading it yields the rest."""
+    dataset = Shards([9, 2, 7, 5])
+    full = with_threads(dataset, 2, batch_size=2)  # seeded as below
+    torch.manual_seed(7)
+    p = nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=2)
+    it = iter(p)
+    head = [next(it) for _ in range(5)]
+    state = p.state_dict()
+    p.close()
+    q = nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=2)
+    q.load_state_dict(state)
+    assert_same_batches(full, head + list(q))
+    q.close()
+
+
+def test_a_webdataset_pipeline_is_split_between_threads_as_between_workers(
+    tmp_path: Any,
+) -> None:
+    """webdataset's WebDataset splits its shards by worker: threads get the workers' shares."""
+    wds = pytest.importorskip("webdataset")
+    urls = []
+    for s in range(4):
+        url = str(tmp_path / f"shard-{s}.tar")
+        with wds.TarWriter(url) as sink:
+            for i in range(3 + s):
+                sink.write({"__key__": f"{s}-{i}", "x.pth": torch.tensor([s, i])})
+        urls.append(url)
+    dataset = wds.WebDataset(urls, shardshuffle=False).decode().to_tuple("x.pth")
+    expected = with_processes(dataset, 2, batch_size=3)
+    assert_same_batches(expected, with_threads(dataset, 2, batch_size=3))
+
+
+def test_a_hugging_face_stream_is_split_between_threads_as_between_workers() -> None:
+    """A ``datasets`` IterableDataset of 4 shards: each thread reads a worker's shards."""
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"y": list(range(30))})
+    stream = table.to_iterable_dataset(num_shards=4).with_format("torch")
+    expected = with_processes(stream, 2, batch_size=4)
+    assert_same_batches(expected, with_threads(stream, 2, batch_size=4))
