@@ -368,3 +368,27 @@ def test_the_private_api_check_finds_each_way_of_touching_it(tmp_path: Path) -> 
         "canary.py:9 replaces torch's torch.utils.data.get_worker_info process-wide",
         "canary.py:10 uses torch's private DataLoader._index_sampler",
     ] == sorted(_private_torch_uses(canary), key=lambda use: int(use.split()[0].split(":")[1]))
+
+
+def test_a_bound_get_worker_info_answers_per_loading_thread() -> None:
+    """``from torch.utils.data import get_worker_info`` sees a loading thread's info too.
+
+    Datasets that split shards by worker bind the function so; without the per-thread answer
+    every loading thread would read every shard of an IterableDataset.
+    """
+    from torch.utils.data import get_worker_info as bound
+
+    answer_worker_info_per_thread()
+    seen: list[object] = []
+
+    def load() -> None:
+        with loading_thread_info(worker=2, workers=3, seed=5, dataset=None, rng=None):
+            info = bound()
+            seen.append(None if info is None else (info.id, info.num_workers))
+        seen.append(bound())
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    assert [(2, 3), None] == seen
+    assert bound() is None  # elsewhere: torch's own answer
