@@ -57,3 +57,13 @@ def test_jpeg_and_hand_off_results_have_their_panels() -> None:
         t.split(":")[0] for t in titles
     ]
     assert min(bar.get_width() for bar in fig.axes[2].patches) >= 0
+
+
+def test_the_gpu_regime_panel_comes_first_with_e_per_contender() -> None:
+    """The headline's E, a bar per contender, leads the chart."""
+    values = every_trial()
+    for i, name in enumerate(NAMES):
+        values[("gpu regime", "8.0 ms", name, "efficiency")] = [1.0 + i / 5, 1.1 + i / 5]
+    fig = draw(bench_result(values))
+    assert fig.axes[0].get_title().startswith("GPU regime")
+    assert len(NAMES) == len(fig.axes[0].patches)

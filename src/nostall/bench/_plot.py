@@ -51,7 +51,7 @@ def styles(names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def draw(result: BenchResult) -> Any:
-    """The figure: a panel per trial that ran (synthetic, JPEG, hand-off); bars min-max."""
+    """The figure: a panel per trial that ran (GPU regime, synthetic, JPEG, hand-off)."""
     import matplotlib.pyplot as plt
 
     panels = [p for p in _PANELS if result.contenders(p[0])]
@@ -137,4 +137,22 @@ def _handoff(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> 
     ax.set_title("hand-off cost")
 
 
-_PANELS = (("synthetic", _synthetic), ("jpeg", _jpeg), ("handoff", _handoff))
+def _regime(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> None:
+    setting = result.settings("gpu regime")[0]
+    stats = {
+        n: s
+        for n in result.contenders("gpu regime")
+        if (s := result.stat("gpu regime", setting, n, "efficiency"))
+    }
+    _bars(ax, stats, style)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("E = epoch time / (batches x device time); 1 is the device-bound limit")
+    ax.set_title(f"GPU regime ({setting} device time per step): E")
+
+
+_PANELS = (
+    ("gpu regime", _regime),
+    ("synthetic", _synthetic),
+    ("jpeg", _jpeg),
+    ("handoff", _handoff),
+)

@@ -38,6 +38,7 @@ def format_report(result: BenchResult, width: int = 150) -> str:
         f"median (min-max) of {cfg.repeats} repeats, the contenders alternating.",
         markup=False,
     )
+    _regime_table(console, result)
     for trial, title in (("synthetic", "synthetic images"), ("jpeg", "JPEG files")):
         settings = result.settings(trial)
         if not settings:
@@ -77,6 +78,38 @@ def format_report(result: BenchResult, width: int = 150) -> str:
     return out.getvalue()
 
 
+REGIME = "gpu regime"
+#: The GPU-regime table's columns: metric, heading, format.
+_REGIME_COLUMNS = (
+    ("efficiency", "E", ".2f"),
+    ("samples_per_s", "samples/s", ",.0f"),
+    ("stall", "waiting", ".0%"),
+    ("first_batch_ms", "first batch ms", ",.0f"),
+    ("memory_mib", "memory added MiB", ".1f"),
+    ("launch_slowdown", "launch slowdown x", ".2f"),
+)
+
+
+def _regime_table(console: Console, result: BenchResult) -> None:
+    """The headline: each contender's E and what it costs, where the step waits for a device."""
+    for setting in result.settings(REGIME):
+        alone = result.stat("step", REGIME, "launch alone", "ms")
+        table = Table(
+            title=f"GPU regime, JPEG loading: each step launches ({figure(alone, '.1f')} ms "
+            f"alone), then waits without the GIL until {setting} of device time has passed; "
+            "E = epoch time / (batches x device time), 1 at the device-bound limit"
+        )
+        table.add_column("contender")
+        for _, head, _ in _REGIME_COLUMNS:
+            table.add_column(head, justify="right")
+        for name in result.contenders(REGIME):
+            cells = [
+                figure(result.stat(REGIME, setting, name, m), f) for m, _, f in _REGIME_COLUMNS
+            ]
+            table.add_row(name, *cells)
+        console.print(table)
+
+
 def figure(stat: Measured | None, spec: str) -> str:
     """A cell: "1.25 (1.20-1.30)"; one run alone "1.25 (n=1)", never a range of zero width."""
     if stat is None:
@@ -113,19 +146,62 @@ def _list(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def fastest(stats: dict[str, Measured]) -> list[str]:
-    """The contender with the highest median, with every other whose spread reaches its own.
+def fastest(stats: dict[str, Measured], higher: bool = True) -> list[str]:
+    """The contender with the best median, with every other whose spread reaches its own.
 
-    One name: the fastest, clear of the others; several: tied within the spread (a figure of
-    one run has no spread, so it is tied with any whose range holds it).
+    Best is the highest (``higher``) or the lowest. One name: the best, clear of the others;
+    several: tied within the spread (a figure of one run has no spread, so it is tied with any
+    whose range holds it).
     """
-    best = max(stats, key=lambda n: stats[n].median)
-    return [n for n in stats if n == best or stats[n].high >= stats[best].low]
+    if higher:
+        best = max(stats, key=lambda n: stats[n].median)
+        return [n for n in stats if n == best or stats[n].high >= stats[best].low]
+    best = min(stats, key=lambda n: stats[n].median)
+    return [n for n in stats if n == best or stats[n].low <= stats[best].high]
+
+
+def _regime_findings(result: BenchResult) -> list[str]:
+    """The GPU regime: who came closest to the device-bound limit, and the launch's slowdown."""
+    out = []
+    for setting in result.settings(REGIME):
+        e = {
+            n: s
+            for n in result.contenders(REGIME)
+            if (s := result.stat(REGIME, setting, n, "efficiency")) is not None
+        }
+        top = fastest(e, higher=False)
+        where = f"In the GPU regime ({setting} of device time per step)"
+        if len(top) == 1:
+            out.append(
+                f"{where} {top[0]} came closest to the limit, E = {figure(e[top[0]], '.2f')}."
+            )
+        else:
+            out.append(f"{where} {_list(top)} came closest to the limit, tied within the spread.")
+        ours = [n for n in e if n.startswith(NOSTALL)]
+        if ours:
+            best = min(ours, key=lambda n: e[n].median)
+            out.append(f"nostall's best setting there was {best}: E = {figure(e[best], '.2f')}.")
+        slow = {
+            n: s
+            for n in result.contenders(REGIME)
+            if (s := result.stat(REGIME, setting, n, "launch_slowdown")) is not None
+        }
+        threads = [n for n in slow if "threads=" in n]
+        workers = [n for n in slow if n in ("best-practice DataLoader", "nostall + workers")]
+        if threads and workers:
+            out.append(
+                "Beside loading, the launch phase took "
+                + ", ".join(f"{figure(slow[n], '.2f')}x its time alone with {n}" for n in threads)
+                + "; with worker processes "
+                + ", ".join(f"{figure(slow[n], '.2f')}x ({n})" for n in workers)
+                + "."
+            )
+    return out
 
 
 def conclusion(result: BenchResult) -> list[str]:
     """The run's findings, one sentence each."""
-    out, ratios = [], result.settings("synthetic")
+    out, ratios = _regime_findings(result), result.settings("synthetic")
     heavy = "1" if "1" in ratios else ratios[-1] if ratios else None
     for setting in ratios:
         speed = result.stat("synthetic", setting, NOSTALL, "speedup")
