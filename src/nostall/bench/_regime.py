@@ -147,6 +147,7 @@ def device_trial(
             alone = launch_seconds(step, probe)
             result.records.append(Record("step", TRIAL, "launch alone", "ms", alone * 1e3))
             profiled, launches, samples = profile(loop, device), [], 0
+            batch = None  # the last epoch's last batch is not in the base
             base = peak = memory.resident()
             start = time.perf_counter()
             for batch in profiled:
