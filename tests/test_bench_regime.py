@@ -10,7 +10,9 @@ from helpers import TINY_BENCH, bench_result, wait_for_no_nostall_threads
 
 from nostall.bench import BenchConfig, format_report, run_bench
 from nostall.bench import _contenders as c
+from nostall.bench._regime import launch_seconds
 from nostall.bench._report import conclusion
+from nostall.bench._workloads import DeviceStep
 
 pytest.importorskip("PIL")
 METRICS = ("efficiency", "samples_per_s", "stall", "memory_mib", "launch_slowdown")
@@ -83,3 +85,15 @@ def test_launch_slowdown_beside_threads_and_workers_is_stated() -> None:
     said = " ".join(conclusion(bench_result(regime(e))))
     assert "1.15 (1.10-1.20)x its time alone with nostall threads=2" in said
     assert "with worker processes 1.15 (1.10-1.20)x (best-practice DataLoader)" in said
+
+
+def test_the_launch_alone_is_timed_in_whole_steps_as_in_an_epoch() -> None:
+    """Alone, the launch is timed between device waits, the rhythm it has in an epoch."""
+    import time
+
+    step = DeviceStep(launch_ops=5, device_s=0.02)
+    batch = (torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64))
+    start = time.perf_counter()
+    launched = launch_seconds(step, batch, runs=3)
+    assert time.perf_counter() - start >= 4 * 0.02  # one untimed step, three timed, each waited
+    assert 0 < launched
