@@ -25,7 +25,7 @@ def sources() -> c.Sources:
     )
 
 
-@pytest.mark.parametrize("contender", c.chosen((), CPU), ids=lambda k: k.name)
+@pytest.mark.parametrize("contender", c.chosen((), CPU, c.ALL), ids=lambda k: k.name)
 def test_contender_yields_the_loaders_batches_every_epoch(
     contender: c.Contender, sources: c.Sources
 ) -> None:

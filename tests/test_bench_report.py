@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers import bench_result
 
 from nostall.bench import checks, format_report
-from nostall.bench._report import conclusion
+from nostall.bench._report import conclusion, too_busy
 
 SERIAL, OURS = "serial DataLoader", "nostall"
 
@@ -43,7 +43,10 @@ def test_a_gain_a_cost_and_the_noise_are_told_apart() -> None:
 def test_hand_off_and_a_busy_machine_are_stated() -> None:
     """The hand-off against the cheapest peer; a load above half the cores is said."""
     quiet = conclusion(bench_result(sweep([1.2], [1.9], [0.9]), load=0.3))
-    assert "cost nostall 1.1 us, the cheapest peer (torchdata.nodes) 31.0 us" in quiet[-1]
+    assert (
+        "nostall 1.1 (1.0-1.2) us, the cheapest peer (torchdata.nodes) 31.0 (30.0-32.0) us"
+        in (quiet[-1])
+    )
     busy = conclusion(bench_result(sweep([1.2], [1.9], [0.9]), load=3.5))
     assert "The machine was busy before the bench began (load average 3.5 on 2 cores)" in busy[-1]
 
@@ -69,3 +72,63 @@ def test_report_shows_tables_spreads_and_the_conclusion_without_targets() -> Non
     assert "conclusion:" in text
     assert "target" not in text.lower()
     assert "NOT met" not in text
+
+
+def test_a_one_run_figure_is_shown_alone_never_as_a_range_of_zero_width() -> None:
+    """One repeat: "1.90 (n=1)" in the table and the conclusion, no "1.90 (1.90-1.90)"."""
+    result = bench_result(sweep([1.2], [1.9], [0.9]))
+    text = " ".join(format_report(result).split())
+    assert "1.90 (n=1)" in text
+    assert "1.90 (1.90-1.90)" not in text
+    assert "removed 90% (n=1) of the serial loader's waiting" in text
+    assert "1.00 (1.00-1.00)" not in text  # the serial loader is the baseline, not a figure
+
+
+def test_a_hand_off_within_the_noise_is_a_bound_never_negative() -> None:
+    """Runs below the plain loop's median (noise) read "within noise (at most ...)", no minus."""
+    values = sweep([1.2, 1.3], [1.9, 2.0], [0.9, 0.95])
+    values[("handoff", "", OURS, "us_per_batch")] = [-6.8, -1.0, 0.4]
+    text = " ".join(format_report(bench_result(values)).split())
+    assert "within noise (at most 0.4)" in text
+    assert "-6.8" not in text
+    assert "-1.0" not in text
+    assert "-0.1" not in text  # the serial loop's own runs around 0 are the baseline
+    (sentence,) = [s for s in conclusion(bench_result(values)) if s.startswith("Handing")]
+    assert "cost nostall within noise (at most 0.4) us" in sentence
+
+
+def jpeg(rates: dict[str, list[float]]) -> dict[tuple[str, str, str, str], list[float]]:
+    """The JPEG trial's samples/s per contender."""
+    return {("jpeg", "224px", name, "samples_per_s"): runs for name, runs in rates.items()}
+
+
+def test_no_fastest_is_named_when_the_spreads_overlap() -> None:
+    """Overlapping spreads: "tied within the spread", the tied ones named, no "fastest was"."""
+    rates = {SERIAL: [300.0, 310.0], "torchdata.nodes": [560.0, 600.0], OURS: [540.0, 580.0]}
+    tied = conclusion(bench_result(jpeg(rates)))
+    assert "torchdata.nodes and nostall tied within the spread" in tied[0]
+    assert "fastest was" not in tied[0]
+
+
+def test_the_fastest_is_named_when_its_spread_clears_the_others() -> None:
+    """A lead whose least run beats every other's best is named the fastest."""
+    clear = conclusion(bench_result(jpeg({SERIAL: [300.0, 310.0], OURS: [540.0, 580.0]})))
+    assert "the fastest was nostall, 560 (540-580) samples/s." in clear[0]
+
+
+def test_checks_are_not_judged_on_a_busy_machine() -> None:
+    """At load 6 on 2 cores the claims are "not judged" (None), the load named, none failed."""
+    broken = sweep([0.985, 0.99, 0.995], [1.9, 2.0], [0.9, 0.95])
+    busy = checks(bench_result(broken, load=6.0))
+    assert 3 == len(busy)
+    assert all(c.held is None for c in busy)
+    assert "too busy to check: load average 6.0 at the start" in busy[0].evidence
+    assert not checks(bench_result(broken, load=0.5))[0].held  # judged when quiet: it fails
+
+
+def test_the_load_at_the_end_alone_can_make_a_run_too_busy() -> None:
+    """Work that began during the bench (end load above twice the cores) counts too."""
+    result = bench_result({}, load=0.5)
+    assert too_busy(result) is None
+    result.load_average["end"] = [4.5, 3.0, 2.0]
+    assert "4.5 at the end on 2 cores" in str(too_busy(result))

@@ -37,7 +37,7 @@ def test_tiny_run_measures_every_contender_in_every_trial(tmp_path: Path) -> Non
                 assert 0 <= stall.low <= stall.high <= 1
     prefetchers = [k.name for k in c.chosen((), torch.device("cpu")) if k.prefetcher]
     assert ["serial DataLoader", *prefetchers] == result.contenders("handoff")
-    assert ["synthetic", "jpeg"] == result.settings("step")
+    assert ["gpu regime", "synthetic", "jpeg"] == result.settings("step")
     assert set(result.load_average) == {"start", "end"}
     assert result.seconds > 0
     assert seen == sorted(seen)

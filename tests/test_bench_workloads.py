@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nostall.bench._workloads import JpegImages, SyntheticImages, jpeg_files, train_step
+from nostall.bench._workloads import (
+    DeviceStep,
+    JpegImages,
+    SyntheticImages,
+    jpeg_files,
+    train_step,
+)
 
 pytest.importorskip("PIL")
 
@@ -62,3 +68,37 @@ def test_train_step_trains() -> None:
     first = step(batch)
     assert isinstance(first, float)
     assert first != step(batch)
+
+
+def test_jpeg_images_cycle_over_the_files_to_the_length_asked(tmp_path: Path) -> None:
+    """A length past the files repeats them: every index up to the length reads a file."""
+    data = JpegImages(jpeg_files(str(tmp_path), 2), size=16, length=5)
+    assert 5 == len(data)
+    image, label = data[4]
+    assert (3, 16, 16) == tuple(image.shape)
+    assert 4 == label
+
+
+def test_device_step_waits_out_the_device_time_and_returns_the_launch() -> None:
+    """A step lasts at least its device time; it returns the launch phase, shorter than that."""
+    import time
+
+    step = DeviceStep(launch_ops=10, device_s=0.05)
+    batch = (torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
+    start = time.perf_counter()
+    launched = step(batch)
+    assert time.perf_counter() - start >= 0.05
+    assert 0 < launched
+
+
+def test_device_step_waits_without_the_gil() -> None:
+    """While one thread waits for "the device", another thread runs Python."""
+    import threading
+
+    step = DeviceStep(launch_ops=1, device_s=20.0)
+    batch = (torch.zeros(1, 1, 8, 8, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64))
+    waiting = threading.Thread(target=step, args=(batch,), daemon=True)
+    waiting.start()
+    counted = sum(1 for _ in range(100_000))  # long before the 20 s wait ends
+    assert 100_000 == counted
+    assert waiting.is_alive()

@@ -121,6 +121,25 @@ def test_bench_check_exits_non_zero_when_a_claim_fails(
     assert "[held]" in out or "[FAILED]" in out
 
 
+def test_bench_check_exits_3_when_the_machine_is_too_busy_to_judge(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At load 6 on 2 cores --check judges nothing: "[not judged]", the load, status 3."""
+    from helpers import bench_result
+
+    values = {
+        ("synthetic", "1", "serial DataLoader", "speedup"): [1.0, 1.0],
+        ("synthetic", "1", "nostall", "speedup"): [0.99, 0.99],
+    }
+    result = bench_result(values, load=6.0)
+    monkeypatch.setattr("nostall.bench.run_bench", lambda config, progress: result)
+    assert 3 == main(["bench", "--device", "cpu", "--no-progress", "--check"])
+    out = capsys.readouterr().out
+    assert "[not judged]" in out
+    assert "too busy to check: load average 6.0" in out
+    assert "FAILED" not in out
+
+
 def test_bench_without_check_exits_zero_and_prints_no_verdict(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

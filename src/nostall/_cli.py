@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _EXIT_STATUS = (
     "exit status: 0 done; 2 bad usage (a flag, a MODULE:FUNC that cannot be loaded, a device "
     "that is not here, a loader that cannot be measured); an exception raised by your own "
-    "code is shown with its traceback (1)"
+    "code is shown with its traceback (1); bench --check: 1 a claim failed, 3 too busy to judge"
 )
 
 
@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--check",
         action="store_true",
-        help="also test the claims a sound install meets on any machine; exit 1 if one fails",
+        help=(
+            "also test the claims a sound install meets on a machine that is not busy; exit 1 "
+            "if one fails, 3 if the machine was too busy to judge them"
+        ),
     )
     bench.add_argument("--json", metavar="PATH", help="write every record as JSON to PATH")
     bench.add_argument(
@@ -330,8 +333,12 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     found = checks(result)
     for c in found:
-        print(f"[{'held' if c.held else 'FAILED'}] {c.claim}: {c.evidence}")
-    return 0 if all(c.held for c in found) else 1
+        mark = "not judged" if c.held is None else "held" if c.held else "FAILED"
+        print(f"[{mark}] {c.claim}: {c.evidence}")
+    if any(c.held is False for c in found):
+        return 1
+    # A busy machine leaves the claims unjudged: neither a pass nor a failure.
+    return 3 if any(c.held is None for c in found) else 0
 
 
 @contextlib.contextmanager

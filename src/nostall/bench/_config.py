@@ -46,6 +46,18 @@ class BenchConfig:
     jpeg_size: int = _knob(224, "JPEG samples are cropped and resized to SIZE x SIZE", flag_count)
     jpeg_width: int = _knob(4, "channels of the convnet trained on the JPEG samples", flag_count)
     jpeg_cache: str | None = _knob(None, "folder of the JPEG files (~/.cache/nostall)", str)
+    regime_batches: int = _knob(
+        32, "batches per epoch of the GPU-regime workload (JPEG loading; 0: none)", _naturals
+    )
+    regime_batch_size: int = _knob(8, "samples per batch of the GPU-regime workload", flag_count)
+    device_ms: float = _knob(
+        0.0,
+        "the GPU-regime step's device time in ms (0: what the cores can feed, 1.25x over)",
+        _share,
+    )
+    launch_ops: int = _knob(
+        1000, "small torch ops in the GPU-regime step's launch phase", flag_count
+    )
     handoff_batches: int = _knob(2000, "batches of the hand-off micro-benchmark", flag_count)
     min_run_time: float = _knob(0.2, "seconds per micro-benchmark", flag_positive)
 

@@ -135,12 +135,26 @@ THREADS = os.cpu_count() or 1  # loading threads, one per core
 NOSTALL_THREADS = Contender(
     f"nostall threads={THREADS}", lambda s, d, n: prefetch(s.serial, d, depth=n, threads=THREADS)
 )
+# Twice the cores: where the step waits for the device, loading has every core, and threads
+# blocked in I/O or between GIL-free calls leave room for more.
+NOSTALL_THREADS_2X = Contender(
+    f"nostall threads={2 * THREADS}",
+    lambda s, d, n: prefetch(s.serial, d, depth=n, threads=2 * THREADS),
+)
 
 #: Every contender, in the order tables list them.
 ALL: tuple[Contender, ...] = (SERIAL, BEST, SEED, PREFETCH_GENERATOR, TORCHDATA, LOOKAHEAD)
-ALL += (NOSTALL, NOSTALL_WORKERS, NOSTALL_THREADS)
+ALL += (NOSTALL, NOSTALL_WORKERS, NOSTALL_THREADS, NOSTALL_THREADS_2X)
+#: The contenders of the CPU-step trials: all but the doubled threads, which there take the
+#: step's own cores.
+CPU_STEP = tuple(k for k in ALL if k is not NOSTALL_THREADS_2X)
+#: The GPU-regime trial's (the step waits for the device): the loaders a GPU user picks from.
+GPU_REGIME: tuple[Contender, ...] = (SERIAL, BEST, PREFETCH_GENERATOR, TORCHDATA, NOSTALL)
+GPU_REGIME += (NOSTALL_WORKERS, NOSTALL_THREADS, NOSTALL_THREADS_2X)
 
 
-def chosen(names: tuple[str, ...], device: torch.device) -> list[Contender]:
-    """The contenders that run: those named (all when none are), that can run here."""
-    return [k for k in ALL if (not names or k.name in names) and k.available(device)]
+def chosen(
+    names: tuple[str, ...], device: torch.device, among: tuple[Contender, ...] = CPU_STEP
+) -> list[Contender]:
+    """The contenders ``among`` that run: those named (all when none are), that can run here."""
+    return [k for k in among if (not names or k.name in names) and k.available(device)]

@@ -1,8 +1,12 @@
 """The report: a rich table per trial, ``Compare``, the conclusion, and ``--check``'s claims.
 
-Every figure is a median with its spread (min-max) over the repeats or the timed blocks. A
-ratio is called a gain or a cost only when its whole spread lies on one side of 1. The checks
-hold on any machine for a sound install: a failure points at the product, not the machine.
+Every figure is a median with its spread (min-max) over the repeats or the timed blocks; a
+figure of one run is shown alone with "n=1" (a range needs two). A ratio is called a gain or a
+cost only when its whole spread lies on one side of 1, and a contender the fastest only when
+its spread clears every other's. A hand-off cost is a difference of two timings: where its
+spread reaches 0 it is within the plain loop's noise and is shown as a bound, never negative.
+The checks hold for a sound install on a machine that is not busy: on a busy one (see
+:func:`too_busy`) they are not judged, so that a failure points at the product, not the machine.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def format_report(result: BenchResult, width: int = 150) -> str:
         f"median (min-max) of {cfg.repeats} repeats, the contenders alternating.",
         markup=False,
     )
+    _regime_table(console, result)
     for trial, title in (("synthetic", "synthetic images"), ("jpeg", "JPEG files")):
         settings = result.settings(trial)
         if not settings:
@@ -51,7 +56,9 @@ def format_report(result: BenchResult, width: int = 150) -> str:
             cells = []
             for setting in settings:
                 stall = result.stat(trial, setting, name, "stall")
-                cells.append(_cell(result.stat(trial, setting, name, "speedup"), ".2f"))
+                speedup = result.stat(trial, setting, name, "speedup")
+                # The serial loader is the yardstick: its 1.00 (1.00-1.00) is no measurement.
+                cells.append("baseline" if name == SERIAL else figure(speedup, ".2f"))
                 cells.append("-" if stall is None else f"{stall.median:.0%}")
             table.add_row(name + (" (unsafe)" if name.startswith("seed") else ""), *cells)
         console.print(table)
@@ -59,7 +66,8 @@ def format_report(result: BenchResult, width: int = 150) -> str:
     for column in ("contender", "us per batch"):
         table.add_column(column)
     for name in result.contenders("handoff"):
-        table.add_row(name, _cell(result.stat("handoff", "", name, "us_per_batch"), ".1f"))
+        stat = result.stat("handoff", "", name, "us_per_batch")
+        table.add_row(name, "baseline" if name == SERIAL else handoff_figure(stat))
     console.print(table)
     if result.measurements:
         console.print("micro-benchmarks (torch.utils.benchmark):")
@@ -70,20 +78,130 @@ def format_report(result: BenchResult, width: int = 150) -> str:
     return out.getvalue()
 
 
-def _cell(stat: Measured | None, spec: str) -> str:
-    return "-" if stat is None else format(stat, spec)
+REGIME = "gpu regime"
+#: The GPU-regime table's columns: metric, heading, format.
+_REGIME_COLUMNS = (
+    ("efficiency", "E", ".2f"),
+    ("samples_per_s", "samples/s", ",.0f"),
+    ("stall", "waiting", ".0%"),
+    ("first_batch_ms", "first batch ms", ",.0f"),
+    ("memory_mib", "memory added MiB", ".1f"),
+    ("launch_slowdown", "launch slowdown x", ".2f"),
+)
+
+
+def _regime_table(console: Console, result: BenchResult) -> None:
+    """The headline: each contender's E and what it costs, where the step waits for a device."""
+    for setting in result.settings(REGIME):
+        alone = result.stat("step", REGIME, "launch alone", "ms")
+        table = Table(
+            title=f"GPU regime, JPEG loading: each step launches ({figure(alone, '.1f')} ms "
+            f"alone), then waits without the GIL until {setting} of device time has passed; "
+            "E = epoch time / (batches x device time), 1 at the device-bound limit"
+        )
+        table.add_column("contender")
+        for _, head, _ in _REGIME_COLUMNS:
+            table.add_column(head, justify="right")
+        for name in result.contenders(REGIME):
+            cells = [
+                figure(result.stat(REGIME, setting, name, m), f) for m, _, f in _REGIME_COLUMNS
+            ]
+            table.add_row(name, *cells)
+        console.print(table)
+
+
+def figure(stat: Measured | None, spec: str) -> str:
+    """A cell: "1.25 (1.20-1.30)"; one run alone "1.25 (n=1)", never a range of zero width."""
+    if stat is None:
+        return "-"
+    return f"{stat.median:{spec}} (n=1)" if stat.n == 1 else format(stat, spec)
+
+
+def _range(stat: Measured, spec: str) -> str:
+    """The spread in words' brackets: "1.20-1.30", or "n=1" for a single run."""
+    return "n=1" if stat.n == 1 else f"{stat.low:{spec}}-{stat.high:{spec}}"
+
+
+def handoff_figure(stat: Measured | None) -> str:
+    """A hand-off cost in us: its figure, or a bound where the spread reaches 0.
+
+    Each run is a loop's time less the plain loop's median, so noise in either can make it
+    negative: a cost whose least run is 0 or below is not told apart from the plain loop's.
+    """
+    if stat is None:
+        return "-"
+    if stat.low <= 0:
+        return f"within noise (at most {max(stat.high, 0.0):.1f})"
+    return figure(stat, ".1f")
 
 
 def _speed(stat: Measured) -> str:
-    words = f"{stat.median:.2f}x the serial loader's speed ({stat.low:.2f}-{stat.high:.2f})"
+    words = f"{stat.median:.2f}x the serial loader's speed ({_range(stat, '.2f')})"
     if stat.below_one:
         return f"{words}: a cost of {1 - stat.median:.0%}"
     return words if stat.exceeds_one else f"{words}, within the noise of 1x"
 
 
+def _list(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def fastest(stats: dict[str, Measured], higher: bool = True) -> list[str]:
+    """The contender with the best median, with every other whose spread reaches its own.
+
+    Best is the highest (``higher``) or the lowest. One name: the best, clear of the others;
+    several: tied within the spread (a figure of one run has no spread, so it is tied with any
+    whose range holds it).
+    """
+    if higher:
+        best = max(stats, key=lambda n: stats[n].median)
+        return [n for n in stats if n == best or stats[n].high >= stats[best].low]
+    best = min(stats, key=lambda n: stats[n].median)
+    return [n for n in stats if n == best or stats[n].low <= stats[best].high]
+
+
+def _regime_findings(result: BenchResult) -> list[str]:
+    """The GPU regime: who came closest to the device-bound limit, and the launch's slowdown."""
+    out = []
+    for setting in result.settings(REGIME):
+        e = {
+            n: s
+            for n in result.contenders(REGIME)
+            if (s := result.stat(REGIME, setting, n, "efficiency")) is not None
+        }
+        top = fastest(e, higher=False)
+        where = f"In the GPU regime ({setting} of device time per step)"
+        if len(top) == 1:
+            out.append(
+                f"{where} {top[0]} came closest to the limit, E = {figure(e[top[0]], '.2f')}."
+            )
+        else:
+            out.append(f"{where} {_list(top)} came closest to the limit, tied within the spread.")
+        ours = [n for n in e if n.startswith(NOSTALL)]
+        if ours:
+            best = min(ours, key=lambda n: e[n].median)
+            out.append(f"nostall's best setting there was {best}: E = {figure(e[best], '.2f')}.")
+        slow = {
+            n: s
+            for n in result.contenders(REGIME)
+            if (s := result.stat(REGIME, setting, n, "launch_slowdown")) is not None
+        }
+        threads = [n for n in slow if "threads=" in n]
+        workers = [n for n in slow if n in ("best-practice DataLoader", "nostall + workers")]
+        if threads and workers:
+            out.append(
+                "Beside loading, the launch phase took "
+                + ", ".join(f"{figure(slow[n], '.2f')}x its time alone with {n}" for n in threads)
+                + "; with worker processes "
+                + ", ".join(f"{figure(slow[n], '.2f')}x ({n})" for n in workers)
+                + "."
+            )
+    return out
+
+
 def conclusion(result: BenchResult) -> list[str]:
     """The run's findings, one sentence each."""
-    out, ratios = [], result.settings("synthetic")
+    out, ratios = _regime_findings(result), result.settings("synthetic")
     heavy = "1" if "1" in ratios else ratios[-1] if ratios else None
     for setting in ratios:
         speed = result.stat("synthetic", setting, NOSTALL, "speedup")
@@ -91,27 +209,34 @@ def conclusion(result: BenchResult) -> list[str]:
         if speed and removed and setting == heavy:
             out.append(
                 f"At load/compute ratio {setting} nostall removed {removed.median:.0%} "
-                f"({removed.low:.0%}-{removed.high:.0%}) of the serial loader's waiting and ran "
+                f"({_range(removed, '.0%')}) of the serial loader's waiting and ran "
                 f"at {_speed(speed)}."
             )
         elif speed and float(setting) < 1:
             out.append(f"At light load (ratio {setting}) nostall ran at {_speed(speed)}.")
     for setting in result.settings("jpeg"):
         rates = {
-            n: result.stat("jpeg", setting, n, "samples_per_s") for n in result.contenders("jpeg")
+            n: s
+            for n in result.contenders("jpeg")
+            if (s := result.stat("jpeg", setting, n, "samples_per_s")) is not None
         }
-        best, ours = max(rates, key=lambda n: getattr(rates[n], "median", 0)), rates.get(NOSTALL)
+        if not rates:
+            continue
+        top, ours = fastest(rates), rates.get(NOSTALL)
+        what = f"On JPEG files (decode, crop, resize to {setting})"
+        if len(top) == 1:
+            words = f"{what} the fastest was {top[0]}, {figure(rates[top[0]], ',.0f')} samples/s"
+        else:
+            words = f"{what} no contender was fastest: {_list(top)} tied within the spread"
         out.append(
-            f"On JPEG files (decode, crop, resize to {setting}) the fastest was {best}, "
-            f"{rates[best]:,.0f} samples/s"
-            + (f"; nostall {ours:,.0f}." if best != NOSTALL else ".")
+            words + (f"; nostall {figure(ours, ',.0f')}." if ours and top != [NOSTALL] else ".")
         )
     handoff = _handoffs(result)
     if NOSTALL in handoff and len(handoff) > 1:
         best = min((n for n in handoff if n != NOSTALL), key=lambda n: handoff[n].median)
+        mine, theirs = handoff_figure(handoff[NOSTALL]), handoff_figure(handoff[best])
         out.append(
-            f"Handing a batch over cost nostall {handoff[NOSTALL].median:.1f} us, the cheapest "
-            f"peer ({best}) {handoff[best].median:.1f} us."
+            f"Handing a batch over cost nostall {mine} us, the cheapest peer ({best}) {theirs} us."
         )
     cores = result.machine.get("cores") or 1
     busy = result.load_average.get("start", [0.0])[0]  # at the end it counts the bench too
@@ -129,11 +254,35 @@ def _handoffs(result: BenchResult) -> dict[str, Measured]:
     return {n: s for n, s in stats.items() if s is not None and n != SERIAL}
 
 
+def too_busy(result: BenchResult) -> str | None:
+    """Why the run cannot be judged, or None: other work held every core.
+
+    Busy means a 1-minute load average above the cores before the bench began, or above twice
+    the cores at its end (the bench itself keeps up to about one runnable thread per core).
+    Beside that much work a contender's thread waits for a core at random, and a ratio of 1 is
+    within reach of noise: a failed claim would say nothing about the install.
+    """
+    cores = result.machine.get("cores") or 1
+    start = result.load_average.get("start", [0.0])[0]
+    end = result.load_average.get("end", [0.0])[0]
+    if start <= cores and end <= 2 * cores:
+        return None
+    return (
+        f"too busy to check: load average {start:.1f} at the start, {end:.1f} at the end on "
+        f"{cores} cores (checked at most {cores} before and {2 * cores} after); rerun on a "
+        "quieter machine"
+    )
+
+
 class Check(NamedTuple):
-    """A claim ``--check`` holds the run to, whether it held, and the figures behind it."""
+    """A claim ``--check`` holds the run to, whether it held, and the figures behind it.
+
+    ``held`` is None where the claim was not judged (the machine was too busy: ``evidence``
+    says so, with the load).
+    """
 
     claim: str
-    held: bool
+    held: bool | None
     evidence: str
 
 
@@ -148,7 +297,7 @@ def checks(result: BenchResult) -> list[Check]:
             Check(
                 "nostall is not measurably slower than the serial DataLoader at any ratio",
                 not any(s.below_one for s in speeds.values() if s),
-                ", ".join(f"ratio {k}: {s:.2f}x" for k, s in speeds.items() if s),
+                ", ".join(f"ratio {k}: {figure(s, '.2f')}x" for k, s in speeds.items() if s),
             )
         )
     removed = result.stat("synthetic", "1", NOSTALL, "wait_removed")
@@ -157,18 +306,21 @@ def checks(result: BenchResult) -> list[Check]:
             Check(
                 "at ratio 1 nostall removes at least half of the serial loader's waiting",
                 removed.median >= 0.5,
-                f"{removed.median:.0%} ({removed.low:.0%}-{removed.high:.0%})",
+                figure(removed, ".0%"),
             )
         )
     handoff = _handoffs(result)
     if NOSTALL in handoff and len(handoff) > 1:
-        ours = handoff.pop(NOSTALL).median
+        ours = handoff.pop(NOSTALL)
         out.append(
             Check(
                 "nostall's hand-off costs less than every peer prefetcher's",
-                all(ours < s.median for s in handoff.values()),
-                f"nostall {ours:.1f} us; "
-                + ", ".join(f"{n} {s.median:.1f} us" for n, s in handoff.items()),
+                all(ours.median < s.median for s in handoff.values()),
+                f"nostall {handoff_figure(ours)} us; "
+                + ", ".join(f"{n} {handoff_figure(s)} us" for n, s in handoff.items()),
             )
         )
-    return out
+    busy = too_busy(result)
+    if busy is None:
+        return out
+    return [Check(k.claim, None, f"{busy} ({k.evidence})") for k in out]

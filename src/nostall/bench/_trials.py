@@ -25,7 +25,8 @@ from .._timing import synchronize
 from . import _contenders as c
 from ._config import BenchConfig
 from ._records import BenchResult, Record
-from ._workloads import JpegImages, SyntheticImages, jpeg_files, train_step
+from ._regime import device_seconds, device_trial
+from ._workloads import DeviceStep, JpegImages, SyntheticImages, jpeg_files, train_step
 
 Step = Callable[[Any], float]
 
@@ -145,7 +146,9 @@ def run_bench(
         machine["gpu"] = torch.cuda.get_device_name(device)
     result = BenchResult(config, machine, {"start": list(os.getloadavg())})
     contenders = c.chosen(config.contenders, device)
+    regime = c.chosen(config.contenders, device, c.GPU_REGIME) if config.regime_batches else []
     total = (len(config.ratios) + bool(config.jpeg_images)) * config.repeats * len(contenders)
+    total += (1 + config.repeats) * len(regime)
     done = itertools.count(1)
 
     def advance(what: str) -> None:
@@ -155,6 +158,14 @@ def run_bench(
     started = time.perf_counter()
     torch.set_num_threads(threads)
     try:
+        if regime:  # the headline: the regime users train in, measured first
+            paths = jpeg_files(config.jpeg_cache, config.jpeg_images or 64)
+            length = config.regime_batches * config.regime_batch_size
+            loading = JpegImages(paths, config.jpeg_size, length)
+            gpu_step = DeviceStep(config.launch_ops, config.device_ms / 1e3)
+            if not gpu_step.device_s:
+                gpu_step.device_s = device_seconds(loading, config.regime_batch_size, gpu_step)
+            device_trial(result, loading, gpu_step, regime, advance)
         step = train_step(config.width, device)
         n, size = config.batch_size, config.image_size
         labels = torch.zeros(n, dtype=torch.int64, device=device)

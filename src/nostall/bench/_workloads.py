@@ -83,16 +83,17 @@ class JpegImages(Dataset[tuple[torch.Tensor, int]]):
     The crop is ``RandomResizedCrop``'s, drawn from the index (35-100% of the area, 3/4-4/3).
     """
 
-    def __init__(self, paths: list[Path], size: int = 224) -> None:
+    def __init__(self, paths: list[Path], size: int = 224, length: int | None = None) -> None:
         self.paths, self.size = [str(p) for p in paths], size
+        self.length = len(self.paths) if length is None else length  # past the files: cycled
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return self.length
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         from PIL import Image
 
-        with Image.open(self.paths[index]) as image:
+        with Image.open(self.paths[index % len(self.paths)]) as image:
             image = image.convert("RGB")
         draw, (width, height) = random.Random(index), image.size
         area, aspect = width * height * draw.uniform(0.35, 1.0), draw.uniform(3 / 4, 4 / 3)
@@ -133,3 +134,35 @@ def train_step(width: int, device: torch.device) -> Callable[[Any], float]:
         return float(loss.item())
 
     return step
+
+
+class DeviceStep:
+    """A GPU training step modelled on the CPU: a launch phase, then a wait for "the device".
+
+    The launch phase is what the training thread does on a GPU: ``launch_ops`` small torch ops
+    (each releases the GIL inside torch and takes it back), a little Python between them, a
+    few ms in all. Then the thread waits without the GIL (``time.sleep``, as a CUDA
+    synchronisation waits) until ``device_s`` has passed since the step began; a launch phase
+    that overran leaves no wait. The call returns the launch phase's seconds: beside loading
+    threads that hold the GIL, it is what grows.
+    """
+
+    def __init__(self, launch_ops: int, device_s: float = 0.0) -> None:
+        self.launch_ops, self.device_s = launch_ops, device_s
+        self._weights = [torch.full((64,), 1.0 + i / 8) for i in range(8)]
+
+    def launch(self, batch: Any) -> None:
+        """The launch phase alone: the ops a forward and backward would queue."""
+        images, labels = batch
+        x = images.flatten()[:64].float() + labels[:1]  # the batch is read, as the copy would
+        for i in range(self.launch_ops):
+            w = self._weights[i % len(self._weights)]  # the Python between two launches
+            x = torch.mul(x, w) if i % 2 else torch.add(x, w, alpha=-0.5)
+
+    def __call__(self, batch: Any) -> float:
+        start = time.perf_counter()
+        self.launch(batch)
+        launched = time.perf_counter() - start
+        if (wait := self.device_s - (time.perf_counter() - start)) > 0:
+            time.sleep(wait)  # the device's time: no GIL held, no core used
+        return launched
