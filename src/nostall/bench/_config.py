@@ -24,12 +24,12 @@ def _knob(default: Any, help: str, parse: Callable[[str], Any]) -> Any:
 class BenchConfig:
     """Every knob of ``nostall bench``; the defaults take about a minute on two CPU cores."""
 
-    batches: int = _knob(24, "batches per epoch of the synthetic images", flag_count)
+    batches: int = _knob(16, "batches per epoch of the synthetic images", flag_count)
     batch_size: int = _knob(32, "samples per batch", flag_count)
     image_size: int = _knob(64, "synthetic images are 3 x SIZE x SIZE uint8", flag_count)
     width: int = _knob(16, "channels of the convnet trained on the synthetic images", flag_count)
     ratios: tuple[float, ...] = _knob(
-        (0.25, 0.5, 1.0, 2.0),
+        (0.25, 0.5, 1.0),
         "load/compute ratios: loading a synthetic batch costs RATIO times the step",
         flag_list(flag_positive),
     )
@@ -42,12 +42,12 @@ class BenchConfig:
     repeats: int = _knob(3, "repeats of every timed epoch, contenders alternating", flag_count)
     device: DeviceLike = _knob(None, "where the step runs (default: CUDA if present)", str)  # noqa: RUF009
     contenders: tuple[str, ...] = _knob((), "run only these (comma-separated)", flag_list(str))
-    jpeg_images: int = _knob(256, "JPEG files of the image workload (0: none)", _naturals)
+    jpeg_images: int = _knob(96, "JPEG files of the image workload (0: none)", _naturals)
     jpeg_size: int = _knob(224, "JPEG samples are cropped and resized to SIZE x SIZE", flag_count)
     jpeg_width: int = _knob(4, "channels of the convnet trained on the JPEG samples", flag_count)
     jpeg_cache: str | None = _knob(None, "folder of the JPEG files (~/.cache/nostall)", str)
     regime_batches: int = _knob(
-        32, "batches per epoch of the GPU-regime workload (JPEG loading; 0: none)", _naturals
+        16, "batches per epoch of the GPU-regime workload (JPEG loading; 0: none)", _naturals
     )
     regime_batch_size: int = _knob(8, "samples per batch of the GPU-regime workload", flag_count)
     device_ms: float = _knob(
