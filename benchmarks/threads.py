@@ -6,7 +6,10 @@ Three workloads behind a realistic dataset object, 200,000 (path, label) pairs:
   does and resized to 224 x 224: native code that releases the GIL;
 - ``python``: pure-Python arithmetic in ``__getitem__`` (about 1 ms), which holds the GIL;
 - ``sleep``: ``__getitem__`` waits 10 ms without the GIL, as a read from a network file system
-  or an object store does (run it with ``--batch-size 1`` for detection-style small batches).
+  or an object store does (run it with ``--batch-size 1`` for detection-style small batches);
+- ``stream``: the ``jpeg`` samples read as a stream, an ``IterableDataset`` of 16 shards that
+  gives each worker (or loading thread) every N-th shard, as webdataset and Hugging Face
+  streaming do; only the serial DataLoader, its workers and nostall's threads apply.
 
 Ways: the serial DataLoader; DataLoader ``num_workers=1..W`` (W: the cores);
 ``nostall.prefetch(threads=1..2W)`` over ``num_workers=0``; torchdata.nodes
@@ -18,7 +21,7 @@ its children together (psutil, sampled every 20 ms) minus the PSS before the loa
 
 ``--ways serial,workers:2,nostall:6`` runs only those ways (``way:count``).
 
-Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|python|sleep] [--repeats 3]
+Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|python|sleep|stream] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
 from nostall.bench._workloads import JpegImages, jpeg_files
 
@@ -73,13 +76,30 @@ class SleepingReads(Dataset[tuple[torch.Tensor, int]]):
         return torch.full((3, 8, 8), index % 251, dtype=torch.uint8), index % 10
 
 
+class JpegShards(IterableDataset[tuple[torch.Tensor, int]]):
+    """``--workload stream``: ``samples`` JPEG samples in 16 shards, each worker its own."""
+
+    SHARDS = 16
+
+    def __init__(self, images: Dataset[tuple[torch.Tensor, int]], samples: int) -> None:
+        self.images, self.per_shard = images, -(-samples // self.SHARDS)
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for shard in range(worker, self.SHARDS, workers):
+            for i in range(shard * self.per_shard, (shard + 1) * self.per_shard):
+                yield self.images[i]
+
+
 def dataset(workload: str, cache: str | None) -> Dataset[Any]:
     """200,000 (path, label) pairs cycling over the cached JPEG files, for each workload."""
     if workload == "sleep":  # no file is read: no JPEG cache to make
         return SleepingReads([f"{i:06d}.jpg" for i in range(PAIRS)])
     files = jpeg_files(cache, 256)
     paths = [str(files[i % len(files)]) for i in range(PAIRS)]
-    return JpegImages(paths, 224) if workload == "jpeg" else PythonWork(paths)  # type: ignore[arg-type]
+    jpeg = workload in ("jpeg", "stream")
+    return JpegImages(paths, 224) if jpeg else PythonWork(paths)  # type: ignore[arg-type]
 
 
 #: The library each way imports, loaded before the memory baseline (as a training script would).
@@ -88,6 +108,12 @@ LIBRARY = {"nostall": "nostall", "torchdata": "torchdata.nodes", "spdl": "spdl.p
 
 def feed(way: str, count: int, data: Dataset[Any], indices: list[int], batch: int) -> Any:
     """The iterable each way makes of the same samples, in the same batches."""
+    if isinstance(data, IterableDataset):  # the stream: no index to fetch
+        if way == "nostall":
+            import nostall
+
+            return nostall.prefetch(DataLoader(data, batch_size=batch), "cpu", threads=count)
+        return DataLoader(data, batch_size=batch, num_workers=count if way == "workers" else 0)
     if way in ("serial", "workers"):
         workers = count if way == "workers" else 0
         return DataLoader(data, batch_size=batch, sampler=indices, num_workers=workers)
@@ -137,6 +163,8 @@ def one_run(
     data = dataset(workload, cache)
     # The idle training process has its imports loaded already: PIL, and the library of the way.
     data[0]
+    if workload == "stream":
+        data = JpegShards(data, batches * batch)
     importlib.import_module(LIBRARY.get(way, "torch"))
     indices = list(range(batches * batch))
     base = pss()
@@ -182,7 +210,7 @@ def chosen(way: str) -> tuple[str, int]:
 def main() -> None:
     """Run every way in fresh processes, alternating, and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=("jpeg", "python", "sleep"), default="jpeg")
+    parser.add_argument("--workload", choices=("jpeg", "python", "sleep", "stream"), default="jpeg")
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -206,13 +234,14 @@ def main() -> None:
     cores = os.cpu_count() or 1
     ways = [("serial", 0)] + [("workers", w) for w in range(1, cores + 1)]
     ways += [("nostall", t) for t in range(1, 2 * cores + 1)]
-    ways += [("torchdata", t) for t in range(1, 2 * cores + 1)]
-    try:
-        import spdl.pipeline  # noqa: F401
+    if args.workload != "stream":  # the peers that fetch by index (a stream is read in order)
+        ways += [("torchdata", t) for t in range(1, 2 * cores + 1)]
+        try:
+            import spdl.pipeline  # noqa: F401
 
-        ways += [("spdl", t) for t in range(1, 2 * cores + 1)]
-    except ImportError:
-        print("spdl is not installed: no SPDL rows", file=sys.stderr)
+            ways += [("spdl", t) for t in range(1, 2 * cores + 1)]
+        except ImportError:
+            print("spdl is not installed: no SPDL rows", file=sys.stderr)
     if args.ways:
         ways = [chosen(way) for way in args.ways.split(",")]
     results: dict[tuple[str, int], list[dict[str, float]]] = {w: [] for w in ways}

@@ -138,3 +138,12 @@ def test_threads_measures_only_the_ways_asked_for() -> None:
     assert 0 == done.returncode, done.stderr
     assert "nostall 2 threads" in done.stdout
     assert "DataLoader serial" not in done.stdout
+
+
+def test_threads_reads_a_stream_with_threads_and_workers() -> None:
+    """The streaming JPEG shards: nostall's threads and worker processes each make a row."""
+    args = ("--workload", "stream", "--batch-size", "4", "--batches", "4", "--repeats", "1")
+    done = run("threads.py", *args, "--ways", "workers:2,nostall:2")
+    assert 0 == done.returncode, done.stderr
+    assert "nostall 2 threads" in done.stdout
+    assert "DataLoader num_workers=2" in done.stdout

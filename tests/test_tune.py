@@ -160,7 +160,7 @@ def test_tune_tries_loading_threads_where_the_loader_allows_them() -> None:
 
 
 def test_tune_leaves_threads_out_where_the_loader_cannot_use_them() -> None:
-    """An IterableDataset has no index to fetch: no threads trial, no error."""
+    """Over an IterableDataset a thread count changes the data (N workers' split): no trial."""
 
     class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
         def __iter__(self) -> Any:

@@ -373,9 +373,17 @@ def _refuse_if_thread_bound(factory: Factory, setting: Setting, device: torch.de
 
 
 def _threadable(factory: Factory, device: torch.device) -> bool:
-    """Whether the loader built with ``num_workers=0`` can be loaded by threads."""
+    """Whether the loader built with ``num_workers=0`` can be loaded by threads, unchanged.
+
+    Not over an ``IterableDataset``: N threads read it as N worker processes do, which splits
+    (or repeats) its items differently for each N, so a thread count would change the data
+    and not only how fast it comes; the search compares settings that yield the same batches.
+    """
+    loader = build(factory, Setting(0, None), device)
+    if not classify(loader).map_style:
+        return False
     try:
-        check_threadable(build(factory, Setting(0, None), device), 2)
+        check_threadable(loader, 2)
     except (TypeError, ValueError):
         return False
     return True
