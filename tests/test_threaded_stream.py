@@ -223,3 +223,101 @@ def test_a_hugging_face_stream_is_split_between_threads_as_between_workers() -> 
     stream = table.to_iterable_dataset(num_shards=4).with_format("torch")
     expected = with_processes(stream, 2, batch_size=4)
     assert_same_batches(expected, with_threads(stream, 2, batch_size=4))
+
+
+class Whole(IterableDataset[torch.Tensor]):
+    """Never asks which worker it is: each worker process (or thread) reads all of it."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(6))
+
+
+def test_a_dataset_that_never_asks_its_worker_is_refused_not_repeated() -> None:
+    """Every item N times would be silent: the epoch raises, naming the fix, and ends."""
+    p = nostall.prefetch(DataLoader(Whole(), batch_size=2), "cpu", threads=2)
+    it = iter(p)
+    with pytest.raises(ValueError, match=r"every item 2 times.*get_worker_info\(\)\.id"):
+        next(it)
+    assert [] == list(it)
+    p.close()
+
+
+def test_one_thread_reads_a_dataset_that_never_asks() -> None:
+    """threads=1 reads it once, as one worker process does: nothing repeated, nothing refused."""
+    assert_same_batches(
+        with_processes(Whole(), 1, batch_size=2), with_threads(Whole(), 1, batch_size=2)
+    )
+
+
+def test_a_kept_error_does_not_hold_the_next_epochs_threads() -> None:
+    """A loop keeps an error (its frames hold the epoch's stream): the next epoch still loads."""
+    kept = []
+    dataset = Failing(generator=True)
+    p = nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=2, timeout=60)
+    for _ in range(2):
+        try:
+            for _batch in p:
+                pass
+        except ValueError as error:
+            kept.append(error)  # a logger, or a notebook's sys.last_value, keeps it
+    assert 2 == len(kept)
+    p.close()
+
+
+def test_a_pinning_error_comes_at_its_turn_and_the_worker_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error after the dataset (pinning) is that batch's, as torch's pin thread raises it."""
+    import nostall._threaded_stream as module
+
+    def pin(batch: torch.Tensor) -> torch.Tensor:
+        if batch[0, 1].item() == 2 and batch[0, 0].item() == 1:
+            raise RuntimeError("pinning failed")
+        return batch
+
+    monkeypatch.setattr(module, "pinning_like", lambda loader: pin)
+    got = []
+    with nostall.prefetch(DataLoader(Shards([6, 6]), batch_size=2), "cpu", threads=2) as p:
+        it = iter(p)
+        while True:
+            try:
+                got.append(next(it)[:, :2].tolist())
+            except StopIteration:
+                break
+            except RuntimeError:
+                got.append("error")
+    assert got == [
+        [[0, 0], [0, 1]],
+        [[1, 0], [1, 1]],
+        [[0, 2], [0, 3]],
+        "error",
+        [[0, 4], [0, 5]],
+        [[1, 4], [1, 5]],
+    ]
+
+
+def test_a_timeout_keeps_the_slow_workers_turn() -> None:
+    """After the DataLoader's timeout= the next next() is the slow worker's batch, as torch's."""
+    release = threading.Event()
+
+    class Slow(IterableDataset[torch.Tensor]):
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            worker = torch.utils.data.get_worker_info().id  # type: ignore[union-attr]
+            for i in range(4):
+                if worker == 1 and i == 2:
+                    assert release.wait(60)
+                yield torch.tensor([worker, i])
+
+    loader = DataLoader(Slow(), batch_size=2, timeout=0.5)
+    got: list[Any] = []
+    with nostall.prefetch(loader, "cpu", threads=2) as p:
+        it = iter(p)
+        while True:
+            try:
+                got.append(next(it)[:, 1].tolist())
+            except StopIteration:
+                break
+            except RuntimeError as error:
+                got.append("timeout" if "timed out" in str(error) else repr(error))
+                release.set()
+    assert got == [[0, 1], [0, 1], [2, 3], "timeout", [2, 3]]

@@ -464,6 +464,14 @@ def test_a_thread_count_past_the_maximum_is_refused() -> None:
     ]
 
 
+def test_a_datapipe_is_refused() -> None:
+    """A datapipe is seeded and sharded by torch's own iterator: threads would bypass that."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    with pytest.raises(ValueError, match="datapipe"):
+        nostall.prefetch(DataLoader(IterableWrapper(range(4))), "cpu", threads=2)
+
+
 def test_an_own_iter_is_refused() -> None:
     """An iteration threads would bypass: refused, never bypassed."""
 

@@ -330,9 +330,13 @@ class Puller:
     def stop(self, why: str = "it was let go") -> None:
         """Let the channel go: the producer ends at its next wait, pulling nothing more.
 
-        ``why``: what a consumer still waiting on the channel is told.
+        ``why``: what a consumer still waiting on the channel is told. An epoch loaded by
+        threads (``threads=``) lets them go too: a kept exception's frames may hold it alive.
         """
         self.channel.wake_to_stop(why)
+        let_go = getattr(self.batches, "let_go", None)
+        if callable(let_go):
+            let_go()
 
     @property
     def stopped(self) -> bool:

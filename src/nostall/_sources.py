@@ -29,9 +29,9 @@ import enum
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, IterDataPipe
 
-from ._accelerate import is_prepared_shard, prepared_loader_types
+from ._accelerate import is_dispatcher, is_prepared_shard, prepared_loader_types
 from ._fabric import fabric_inner_loader, is_fabric_loader
 
 
@@ -82,6 +82,11 @@ class SourceKind:
     iterable_dataset: bool
     #: accelerate's ``DataLoaderShard``: iterated through a shadow (``ShardMirror``).
     accelerate_shard: bool
+    #: accelerate's ``DataLoaderDispatcher``: rank 0 loads, each batch a collective call.
+    accelerate_dispatcher: bool
+    #: The loader's dataset is a torchdata ``IterDataPipe`` (seeded and sharded by torch's
+    #: own iterator, which threads would bypass).
+    datapipe: bool
 
     @property
     def workers(self) -> int:
@@ -120,11 +125,6 @@ class SourceKind:
         """
         return self.dataloader_type and self.map_style and not self.persistent
 
-    @property
-    def accelerate_dispatcher(self) -> bool:
-        """accelerate's ``DataLoaderDispatcher``: rank 0 loads, each batch a collective call."""
-        return self.client is Client.ACCELERATE and not self.accelerate_shard
-
 
 def classify(source: object) -> SourceKind:
     """Decide what ``source`` is (see the module docstring for the kinds)."""
@@ -153,4 +153,6 @@ def classify(source: object) -> SourceKind:
         and callable(getattr(source, "load_state_dict", None)),
         iterable_dataset=isinstance(source, IterableDataset),
         accelerate_shard=is_prepared_shard(source),
+        accelerate_dispatcher=is_dispatcher(source),
+        datapipe=loader is not None and isinstance(loader.dataset, IterDataPipe),
     )

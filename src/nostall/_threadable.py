@@ -73,7 +73,12 @@ def check_threadable(source: object, threads: object) -> int | None:
     # that following the first message reaches a working setting (a stateful loader with
     # num_workers=2 must not be told to drop its workers, only to be refused next).
     why = ""
-    if kind.client is Client.ACCELERATE and not kind.map_style:
+    if kind.datapipe:
+        why = (
+            "its dataset is a datapipe, which torch's own iterator seeds and shards per worker "
+            "in a way threads would bypass"
+        )
+    elif kind.client is Client.ACCELERATE and not kind.map_style:
         why = (
             "accelerate's loader over an IterableDataset splits it between ranks inside its own "
             "iteration, which threads would bypass"

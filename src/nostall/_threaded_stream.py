@@ -26,8 +26,12 @@ Invariants:
       object with a note naming the worker and the thread; the epoch goes on with the next
       worker's turn, and the worker that raised is asked again at its next turn (a generator
       that raised has ended: its turn then ends it), as a DataLoader's worker is.
-    * Dropping the epoch (``break``, ``close()``, garbage collection) stops each thread at its
-      next batch; one inside the dataset's ``__next__`` ends when that returns.
+    * Dropping the epoch (``break``, ``close()``, a newer ``iter()``: :meth:`let_go`, or
+      garbage collection) stops each thread at its next batch; one inside the dataset's
+      ``__next__`` ends when that returns.
+    * A dataset that makes a batch without asking ``get_worker_info()`` would be read whole
+      by every thread (every item N times, as by N worker processes): the epoch raises
+      :class:`NotSplitError` instead, with the fix.
 """
 
 from __future__ import annotations
@@ -54,7 +58,22 @@ from ._torch_compat import (
     index_sampler,
     loading_thread_info,
     pinning_like,
+    worker_info_asked,
 )
+
+
+class NotSplitError(ValueError):
+    """An ``IterableDataset`` that never asked which worker it is, read by N threads."""
+
+    def __init__(self, dataset: object, workers: int) -> None:
+        name = type(dataset).__qualname__
+        super().__init__(
+            f"nostall.prefetch(threads={workers}): {name} made a batch without asking "
+            f"torch.utils.data.get_worker_info() which worker it is, so each of the "
+            f"{workers} loading threads would read all of it: every item {workers} times "
+            f"(as with num_workers={workers}). Split its items by get_worker_info().id and "
+            f".num_workers in __iter__ (as for worker processes), or leave threads out"
+        )
 
 
 class _Turn(enum.Enum):
@@ -75,6 +94,8 @@ class _Worker:
         #: Its end was made: the consumer skips its turns once it took what is ready.
         self.ended = False
         self.lock = threading.Lock()
+        #: The dataset asked ``get_worker_info()`` while this worker's batches were made.
+        self.asked = False
         #: Batches the worker's thread made and the consumer has not taken (at most one).
         self.ready: queue.Queue[tuple[_Turn, Any]] = queue.Queue(maxsize=1)
         self.thread: Future[Any] | None = None
@@ -111,19 +132,35 @@ class ThreadedStream(Iterator[Any]):
             if not live:
                 raise StopIteration
             worker = self.workers[self.turn]
-            self.turn = (self.turn + 1) % len(self.workers)
             if worker.ended and worker.ready.empty():
+                self._next_turn()
                 continue  # its iterator ended at an earlier turn: skipped, as torch skips it
             if self.inline() and not self.started:
                 kind, payload = self.fetcher.fetch(worker)
             else:
                 self._start()
-                kind, payload = self._take(worker)
+                kind, payload = self._take(worker)  # a timeout raised here keeps the turn
+            self._next_turn()
             if kind is _Turn.END:
                 continue
             if kind is _Turn.ERROR:
+                if isinstance(payload, NotSplitError):
+                    self.let_go()  # every thread would read every item: the epoch ends
+                    for each in self.workers:
+                        each.ended = True
                 raise payload
             return payload
+
+    def _next_turn(self) -> None:
+        self.turn = (self.turn + 1) % len(self.workers)
+
+    def let_go(self) -> None:
+        """The epoch is dropped (its puller stopped): the threads end at their next batch.
+
+        Also reached through the finaliser when the stream is collected; called explicitly,
+        since an exception the loop keeps holds frames that hold the stream.
+        """
+        self.dropped.set()
 
     def _start(self) -> None:
         """Start one long task per worker on the pool (once; each goes on from where it is)."""
@@ -194,7 +231,15 @@ class _Fetcher:
             try:
                 if worker.iterator is None:
                     worker.iterator = iter(self.dataset)
-                batch = self.next_batch(worker, worker.iterator)
+                batch = self.next_items(worker, worker.iterator)
+                if batch is not _END:
+                    # Asked before the batch is collated: default_collate asks too.
+                    worker.asked = worker.asked or worker_info_asked()
+                    if not worker.asked and self.workers > 1:
+                        return _Turn.ERROR, NotSplitError(self.dataset, self.workers)
+                    batch = self.collate(batch)
+                    if self.pin is not None:
+                        batch = self.pin(batch)
             except ThreadLetGo:
                 raise
             except Exception as e:
@@ -207,15 +252,15 @@ class _Fetcher:
             if batch is _END:
                 worker.ended = True
                 return _Turn.END, None
-            return _Turn.BATCH, batch if self.pin is None else self.pin(batch)
+            return _Turn.BATCH, batch
 
-    def next_batch(self, worker: _Worker, items: Iterator[Any]) -> Any:
+    def next_items(self, worker: _Worker, items: Iterator[Any]) -> Any:
+        """The next batch's items (one item unbatched), not collated; ``_END`` at the end."""
         if self.batch_size is None:
             try:
-                item = next(items)
+                return next(items)
             except StopIteration:
                 return _END
-            return self.collate(item)
         batch = []
         for _ in range(self.batch_size):
             try:
@@ -225,7 +270,7 @@ class _Fetcher:
                 break
         if not batch or (self.drop_last and len(batch) < self.batch_size):
             return _END
-        return self.collate(batch)
+        return batch
 
 
 def _run(
@@ -233,7 +278,10 @@ def _run(
 ) -> None:
     """A worker's thread: make its batches in turn until its iterator ends or it is dropped."""
     while not dropped.is_set():
-        message = fetch(worker)
+        try:
+            message = fetch(worker)
+        except Exception as e:  # outside the dataset (its worker info, say): at its turn
+            message = (_Turn.ERROR, e)
         while True:
             try:
                 worker.ready.put(message, timeout=POLL_S)

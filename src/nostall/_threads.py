@@ -161,6 +161,10 @@ class ThreadedEpoch(Iterator[Any]):
         self.dropped = threading.Event()  # the epoch was let go: skip its queued work
         weakref.finalize(self, self.dropped.set)
 
+    def let_go(self) -> None:
+        """The epoch is dropped (its puller stopped): its queued samples are skipped."""
+        self.dropped.set()
+
     def __next__(self) -> Any:
         if not self.pending and not self._start_next():
             raise StopIteration

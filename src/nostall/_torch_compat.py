@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import signal
 import threading
 import time
@@ -133,17 +134,37 @@ def _describe(worker: Any) -> str:
     return f"pid {worker.pid}, exit code {code}"
 
 
-#: torch's own ``get_worker_info``, which the replacement answers outside loading threads.
-_torch_get_worker_info = torch.utils.data.get_worker_info
+#: torch's own ``get_worker_info`` (its function object, also after its code is replaced).
+_torch_get_worker_info = torch.utils.data._utils.worker.get_worker_info
 
-#: The ``WorkerInfo`` of the loading thread that reads it (see :func:`loading_thread_info`).
-_loading = threading.local()
+#: The ``WorkerInfo`` of the loading thread that reads it (see :func:`loading_thread_info`),
+#: and whether the dataset asked for it there (``asked``). Kept in torch's worker module, so
+#: that a reload of this module shares it with the code given to torch's function.
+_loading: Any = torch.utils.data._utils.worker.__dict__.setdefault(
+    "_nostall_loading", threading.local()
+)
 
 
 def _get_worker_info() -> Any:
     """``get_worker_info()``: the sample's info in a loading thread, else torch's own answer."""
     info = getattr(_loading, "info", None)
-    return info if info is not None else _torch_get_worker_info()
+    if info is None:
+        return _torch_get_worker_info()
+    _loading.asked = True
+    return info
+
+
+def worker_info_asked() -> bool:
+    """Whether ``get_worker_info()`` was asked in this thread since its loading info was set."""
+    return bool(getattr(_loading, "asked", False))
+
+
+def _forget_in_child() -> None:
+    # A process forked from a loading thread is not one: its get_worker_info is torch's.
+    _loading.info = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def answer_worker_info_per_thread() -> None:
@@ -166,12 +187,9 @@ def answer_worker_info_per_thread() -> None:
     if torch.utils.data.get_worker_info is not _get_worker_info:
         torch.utils.data.get_worker_info = _get_worker_info
     torchs = _torch_get_worker_info
-    if "_nostall_loading" not in torchs.__globals__ and torchs.__code__.co_names == (
-        "_worker_info",
-    ):
+    if torchs.__code__.co_names == ("_worker_info",):  # torch's code, not replaced yet
         namespace: dict[str, Any] = {}
         exec(_PER_THREAD_SOURCE, namespace)  # a fixed source, compiled once
-        torchs.__globals__["_nostall_loading"] = _loading
         torchs.__code__ = namespace["get_worker_info"].__code__
 
 
@@ -180,7 +198,10 @@ def answer_worker_info_per_thread() -> None:
 _PER_THREAD_SOURCE = """
 def get_worker_info():
     info = getattr(_nostall_loading, "info", None)
-    return info if info is not None else _worker_info
+    if info is None:
+        return _worker_info
+    _nostall_loading.asked = True
+    return info
 """
 
 
@@ -202,7 +223,7 @@ def loading_thread_info(
     info = torch.utils.data._utils.worker.WorkerInfo(
         id=worker, num_workers=workers, seed=seed, dataset=dataset, rng=rng, worker_method="thread"
     )
-    _loading.info = info
+    _loading.info, _loading.asked = info, False
     try:
         yield info
     finally:
