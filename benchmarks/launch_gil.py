@@ -15,7 +15,11 @@ For each: the median launch time over ``--launches`` launches, the background th
 over the median alone measured in the same round (rounds alternate the kinds). A part that
 holds the GIL long between its releases makes each of the launch's takes wait.
 
-Run: .venv/bin/python benchmarks/launch_gil.py [--threads 2] [--rounds 3]
+Run: .venv/bin/python benchmarks/launch_gil.py [--threads 2] [--rounds 1] [--launches 5]
+
+More launches take far longer than their count suggests: beside threads that wake often, a
+launch phase can be starved for seconds (30 launches a round did not finish in 10 minutes on
+the 2-core machine).
 """
 
 from __future__ import annotations
@@ -99,8 +103,8 @@ def main() -> None:
     """Time the launch phase alone and beside each kind of loading work, rounds alternating."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--launches", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--launches", type=int, default=5)
     parser.add_argument("--launch-ops", type=int, default=1000)
     args = parser.parse_args()
     torch.set_num_threads(1)
