@@ -73,8 +73,10 @@ def prefetch(
         threads: load a ``DataLoader``'s samples with this many threads in this process,
             instead of worker processes: the loader's dataset, sampler and ``collate_fn``, the
             same batches in the same order (see :mod:`nostall._threads`). The loader must be
-            built with ``num_workers=0`` over a map-style dataset whose ``__getitem__`` is safe
-            to call from several threads at once (``nostall doctor`` checks it).
+            built with ``num_workers=0``; over a map-style dataset its ``__getitem__`` must be
+            safe to call from several threads at once (``nostall doctor`` checks it); over an
+            ``IterableDataset`` the threads read it as N worker processes would
+            (:mod:`nostall._threaded_stream`).
     """
     return Prefetcher(
         source,
