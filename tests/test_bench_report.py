@@ -40,6 +40,22 @@ def test_a_gain_a_cost_and_the_noise_are_told_apart() -> None:
     assert "within the noise of 1x" in noise[0]
 
 
+def test_a_cost_below_half_a_percent_is_not_called_zero() -> None:
+    """Below 1 in every run but 0.998 at the median: "a cost below 1%", never "a cost of 0%"."""
+    small = conclusion(bench_result(sweep([0.997, 0.998, 0.999], [1.9], [0.9])))
+    assert "a cost below 1%" in small[0]
+    assert "0%" not in small[0].split("speed")[1]
+
+
+def test_one_loader_worker_is_one_worker() -> None:
+    """The header counts in the singular where there is one."""
+    result = bench_result(sweep([1.2], [1.9], [0.9]))
+    result.machine["workers"] = 1
+    assert "1 loader worker," in format_report(result)
+    result.machine["workers"] = 2
+    assert "2 loader workers," in format_report(result)
+
+
 def test_hand_off_and_a_busy_machine_are_stated() -> None:
     """The hand-off against the cheapest peer; a load above half the cores is said."""
     quiet = conclusion(bench_result(sweep([1.2], [1.9], [0.9]), load=0.3))

@@ -12,7 +12,7 @@ The checks hold for a sound install on a machine that is not busy: on a busy one
 from __future__ import annotations
 
 import io
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -32,7 +32,7 @@ def format_report(result: BenchResult, width: int = 150) -> str:
     start, end = (f"{result.load_average.get(k, [0.0])[0]:.2f}" for k in ("start", "end"))
     console.print(
         f"nostall bench on {m['device']}{' (' + m['gpu'] + ')' if 'gpu' in m else ''}: torch "
-        f"{m['torch']}, {m['cores']} cores ({m['cpu']}), {m['workers']} loader workers, "
+        f"{m['torch']}, {m['cores']} cores ({m['cpu']}), {_count(m['workers'], 'loader worker')}, "
         f"{m['compute_threads']} compute threads; load average {start} at the start, "
         f"{end} at the end; {result.seconds:.0f} s. Figures: "
         f"median (min-max) of {cfg.repeats} repeats, the contenders alternating.",
@@ -138,8 +138,15 @@ def handoff_figure(stat: Measured | None) -> str:
 def _speed(stat: Measured) -> str:
     words = f"{stat.median:.2f}x the serial loader's speed ({_range(stat, '.2f')})"
     if stat.below_one:
-        return f"{words}: a cost of {1 - stat.median:.0%}"
+        # Below 1 in every run, by less than half a percent at the median: say so, not "0%".
+        cost = 1 - stat.median
+        return f"{words}: a cost of {cost:.0%}" if cost >= 0.005 else f"{words}: a cost below 1%"
     return words if stat.exceeds_one else f"{words}, within the noise of 1x"
+
+
+def _count(n: Any, noun: str) -> str:
+    """``1 loader worker``, ``2 loader workers``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _list(names: list[str]) -> str:
