@@ -113,14 +113,14 @@ def _synthetic(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -
     ax.set_title("synthetic images: speed-up by ratio")
 
 
+def _stats(result: BenchResult, trial: str, setting: str, metric: str) -> dict[str, Measured]:
+    """Each contender's ``metric`` in ``trial`` at ``setting``, where it was measured."""
+    return {n: s for n in result.contenders(trial) if (s := result.stat(trial, setting, n, metric))}
+
+
 def _jpeg(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> None:
     setting = result.settings("jpeg")[0]
-    stats = {
-        n: s
-        for n in result.contenders("jpeg")
-        if (s := result.stat("jpeg", setting, n, "samples_per_s"))
-    }
-    _bars(ax, stats, style)
+    _bars(ax, _stats(result, "jpeg", setting, "samples_per_s"), style)
     ax.set_xlabel("samples/s")
     ax.set_title(f"JPEG files ({setting}): samples/s")
 
@@ -129,8 +129,7 @@ def _handoff(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> 
     # Runs below 0 are the plain loop's noise (a difference of timings): drawn at 0.
     stats = {
         n: Measured(tuple(max(0.0, v) for v in s.runs))
-        for n in result.contenders("handoff")
-        if (s := result.stat("handoff", "", n, "us_per_batch"))
+        for n, s in _stats(result, "handoff", "", "us_per_batch").items()
     }
     _bars(ax, stats, style)
     ax.set_xlabel("us per batch over a plain loop (0: within its noise)")
@@ -139,12 +138,7 @@ def _handoff(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> 
 
 def _regime(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> None:
     setting = result.settings("gpu regime")[0]
-    stats = {
-        n: s
-        for n in result.contenders("gpu regime")
-        if (s := result.stat("gpu regime", setting, n, "efficiency"))
-    }
-    _bars(ax, stats, style)
+    _bars(ax, _stats(result, "gpu regime", setting, "efficiency"), style)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("E = epoch time / (batches x device time); 1 is the device-bound limit")
     ax.set_title(f"GPU regime ({setting} device time per step): E")
