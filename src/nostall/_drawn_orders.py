@@ -36,8 +36,7 @@ class DrawnOrders:
           draw from torch's generator at all.
     """
 
-    def __init__(self, source: object, count: IterCount | None) -> None:
-        self.source = source
+    def __init__(self, count: IterCount | None) -> None:
         #: Over Fabric's loader: its count of iter() calls, which sets the sampler's epoch.
         self.count = count
         self.captures: dict[int, dict[str, Any]] = {}
@@ -46,10 +45,6 @@ class DrawnOrders:
         #: global generator in ``state``, as the saved state said, provided the generator is
         #: still as the resumed epoch ``left`` it (nothing else drew: see :meth:`opened`).
         self.follows: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def use_source(self, source: object) -> None:
-        """Record the orders of ``source`` from now on (a sharded copy of the same loader)."""
-        self.source = source
 
     def drawn(self, epoch: int) -> dict[str, Any] | None:
         """What ``epoch``'s order was drawn from, while it is kept."""
@@ -86,8 +81,16 @@ class DrawnOrders:
                 return self.follows[1]
             return torch.get_rng_state()
 
-    def opened(self, epoch: int, rng: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+    def opened(
+        self,
+        epoch: int,
+        source: object,
+        rng: dict[str, torch.Tensor] | None = None,
+        **fields: Any,
+    ) -> None:
         """Set the generators ``epoch``'s order is drawn from, and record them, as one step.
+
+        ``source``: the source being opened (its own generators, its sampler's epoch).
 
         ``rng``: the states to draw it from (a resumed epoch); else the generators as they are,
         except where ``epoch`` follows a resumed one whose state said how torch's finds it, and
@@ -97,14 +100,14 @@ class DrawnOrders:
         with self.opening:
             follows, self.follows = self.follows, None
             if rng is not None:
-                self.restore(rng)
+                self.restore(source, rng)
             elif (
                 follows is not None
                 and follows[0] == epoch
                 and torch.equal(torch.get_rng_state(), follows[2])
             ):
                 torch.set_rng_state(follows[1])
-            self._record(epoch, {**self.capture(), **fields})
+            self._record(epoch, {**self.capture(source), **fields})
 
     def _record(self, epoch: int, captured: dict[str, Any]) -> None:
         """Keep what ``epoch``'s order was drawn from, and the records of the epochs before it.
@@ -116,21 +119,21 @@ class DrawnOrders:
         kept = {e: c for e, c in self.captures.items() if epoch - KEPT_EPOCHS < e < epoch}
         self.captures = {**kept, epoch: captured}
 
-    def capture(self) -> dict[str, Any]:
-        """What an order drawn now is drawn from: the generators, the sampler's epoch."""
+    def capture(self, source: object) -> dict[str, Any]:
+        """What an order of ``source`` drawn now is drawn from: the generators, its epoch."""
         captured: dict[str, Any] = {
-            "rng": capture_rng(self.source),
-            "sampler_epoch": sampler_epoch_of(self.source),
+            "rng": capture_rng(source),
+            "sampler_epoch": sampler_epoch_of(source),
             # A persistent loader's first iterator also draws its workers' base seed.
-            "fresh_iterator": live_iterator(self.source) is None,
+            "fresh_iterator": live_iterator(source) is None,
         }
         if self.count is not None:
             captured.update(self.count.drawn(captured["sampler_epoch"]))
         return captured
 
-    def restore(self, states: dict[str, torch.Tensor]) -> None:
-        """Set the generators to ``states`` (torch's global one and the source's own)."""
-        generators = generators_of(self.source)
+    def restore(self, source: object, states: dict[str, torch.Tensor]) -> None:
+        """Set the generators to ``states`` (torch's global one and ``source``'s own)."""
+        generators = generators_of(source)
         for name, state in states.items():
             if name == "torch":
                 torch.set_rng_state(state)

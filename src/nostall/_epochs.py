@@ -70,8 +70,8 @@ class EpochSource:
         *,
         transform: bool = False,
     ) -> None:
-        self.source = source
-        #: What the source is (see :mod:`nostall._sources`): asked here, not by the engine.
+        #: What the source is, holding the source (see :mod:`nostall._sources`): asked here,
+        #: not by the engine.
         self.kind = classify(source)
         #: Whether the source draws from the global generators; pulled in step while it may.
         self.draws = DrawWatch(self.kind, threads=threads, transform=transform)
@@ -99,7 +99,7 @@ class EpochSource:
         #: Over Fabric's loader: its count of iter() calls, which sets the sampler's epoch.
         self.count = IterCount(source) if self.kind.client is Client.FABRIC else None
         #: What each epoch's order was drawn from, and how the next one's is drawn.
-        self.orders = DrawnOrders(source, self.count)
+        self.orders = DrawnOrders(self.count)
         self.resume: dict[str, Any] | None = None
         #: The sampler's epoch marks (:meth:`marks`) as nostall last left or saw them; marks
         #: that differ at the next epoch's start were set by someone else.
@@ -129,9 +129,7 @@ class EpochSource:
 
     def use_source(self, source: Iterable[Any]) -> None:
         """From the next epoch on, open ``source`` (a sharded copy of the same kind)."""
-        self.source = source
         self.kind = classify(source)
-        self.orders.use_source(source)
 
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or the threads' (by index, or as workers)."""
@@ -147,6 +145,11 @@ class EpochSource:
             skipped,
             inline=lambda: draws.in_step,  # its samples' draws in order, in the pulling thread
         )
+
+    @property
+    def source(self) -> Iterable[Any]:
+        """The source (a sharded copy from the epoch :meth:`use_source` set it on)."""
+        return self.kind.source  # type: ignore[no-any-return]
 
     @property
     def iterable(self) -> Iterable[Any]:
@@ -267,7 +270,7 @@ class EpochSource:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
             return self._iterate(self.iterable), skipped
         if resume is None:
-            self.orders.opened(epoch)
+            self.orders.opened(epoch, self.source)
             return self._iterate(self.iterable), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
@@ -307,7 +310,7 @@ class EpochSource:
         user_rng = torch.get_rng_state()
         if self.count is not None:
             self.count.restore(replay)
-        self.orders.opened(epoch, rng, fresh_iterator=replay["fresh_iterator"])
+        self.orders.opened(epoch, self.source, rng, fresh_iterator=replay["fresh_iterator"])
         drew = False
         try:
             fresh = live_iterator(self.source) is None
@@ -317,7 +320,7 @@ class EpochSource:
                 # the order again from the restored state by resetting it with a second iter().
                 # (Once it exists, as after a replayed end, one iter() resets it, as there.)
                 iter(self.source)
-                self.orders.restore(rng)
+                self.orders.restore(self.source, rng)
                 it = iter(self.source)
                 for _ in itertools.islice(it, skipped):
                     pass
@@ -387,7 +390,7 @@ class EpochSource:
         """
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
-        return self.orders.capture()
+        return self.orders.capture(self.source)
 
 
 def _length(source: object) -> int | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
@@ -99,8 +99,6 @@ class PrefetchIterator(Iterator[T]):
         self._state = Lifecycle.CREATED
         self._stopped_why = ""
         self._puller: Puller | None = None
-        #: ``_puller.pull_here``, bound once per epoch rather than once per batch.
-        self._pull_here: Callable[[], Message | None] | None = None
         self._index = 0  # batches of this epoch handed out so far
         #: This thread's intra-op thread count, to give back to the process once the producer
         #: has set its own (torch keeps the last count set, in any thread, for new threads).
@@ -135,7 +133,8 @@ class PrefetchIterator(Iterator[T]):
                 self._lineage.producer.check_not_forked()
             elif self._launch_failed:
                 self._launch(puller)
-            if puller.after_error and (self._lineage.epoch, self._index) >= puller.paused_at:
+            paused = puller.paused_at
+            if paused is not None and (self._lineage.epoch, self._index) >= paused:
                 self._go_on_after_error(puller)  # the loop caught the error and asks for more
             if self._index == puller.expected:
                 puller.ask_for_end()  # asked past the last batch: the source may now end
@@ -143,10 +142,10 @@ class PrefetchIterator(Iterator[T]):
             timeout = self._settings.timeout
             if draws.in_step:  # the source may draw from the global generators
                 puller.want(wake=timeout is not None)
-                message = puller.channel.get(self._index, timeout, self._pull_here)
+                message = puller.channel.get(self._index, timeout, puller.pull_here)
                 draws.report()  # here: at the user's line
                 return self._take(puller, message)
-            message = puller.channel.get(self._index, timeout, self._pull_here)
+            message = puller.channel.get(self._index, timeout, puller.pull_here)
             return self._take(puller, message)
         except KeyboardInterrupt:
             # Wherever it landed (starting the epoch, waiting, or inside the source when this
@@ -278,7 +277,6 @@ class PrefetchIterator(Iterator[T]):
         ahead = lineage.take_ahead()
         if ahead is not None:
             self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
-            self._pull_here = ahead.pull_here
             return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
@@ -299,15 +297,20 @@ class PrefetchIterator(Iterator[T]):
             describe(epochs.source),
             max_depth=1 if auto else None,  # grows once the first batch shows its size
         )
-        puller = Puller(channel, self._staging, epochs, epoch=lineage.epoch)
-        if auto:
-            device = self._staging.device  # not self: the puller must not keep this alive
-            puller.on_first_batch = lambda staged: channel.limit_growth(
-                auto_depth_limit(staged.batch, device)
-            )
+        device = self._staging.device  # not self: the puller must not keep this alive
+        puller = Puller(
+            channel,
+            self._staging,
+            epochs,
+            epoch=lineage.epoch,
+            on_first_batch=(
+                (lambda staged: channel.limit_growth(auto_depth_limit(staged.batch, device)))
+                if auto
+                else None
+            ),
+        )
         self._state = Lifecycle.RUNNING
         self._puller = puller
-        self._pull_here = puller.pull_here
         if lineage.carry_over(channel):
             return puller
         if lineage.exhausted:
@@ -365,7 +368,7 @@ class PrefetchIterator(Iterator[T]):
         thread = puller.channel.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()  # it is pausing: it waits on nothing once after_error is set
-        puller.after_error = False
+        puller.go_on()
         if not puller.finished and not puller.stopped:
             self._launch(puller)
 

@@ -43,9 +43,9 @@ class Puller:
           and in order.
         * Once ``finished``, nothing more is pulled. An error in one batch does not finish the
           puller, but nothing more is pulled until the consumer took that error and asks for
-          the next batch (``after_error``, ``paused_at``): then the same iterator is asked for
-          the following one, as a DataLoader's iterator is when the loop catches the error and
-          goes on. A loop that stops at the error leaves nothing running.
+          the next batch (``paused_at``, cleared by :meth:`go_on`): then the same iterator is
+          asked for the following one, as a DataLoader's iterator is when the loop catches the
+          error and goes on. A loop that stops at the error leaves nothing running.
         * A source with a length is not asked for what follows its ``expected``-th batch
           until the consumer asks for it (:meth:`ask_for_end`): frameworks (Lightning) take
           ``len(loader)`` batches and never exhaust the loader's iterator, and exhausting it
@@ -68,7 +68,13 @@ class Puller:
     """
 
     def __init__(
-        self, channel: Channel, staging: Staging, epochs: EpochSource, *, epoch: int = 0
+        self,
+        channel: Channel,
+        staging: Staging,
+        epochs: EpochSource,
+        *,
+        epoch: int = 0,
+        on_first_batch: Callable[[Staged], None] | None = None,
     ) -> None:
         self.channel = channel
         me = weakref.ref(self)  # not self: no cycle keeps a dropped channel's batches alive
@@ -87,18 +93,17 @@ class Puller:
         #: What the puller is doing now; read in error messages.
         self.phase = "not started"
         #: Called once with the first staged batch (``depth="auto"`` sizes its budget there).
-        self.on_first_batch: Callable[[Staged], None] | None = None
+        self.on_first_batch = on_first_batch
         #: Set once the producer thread gave itself its own intra-op thread count.
         self.threads_set = threading.Event()
         #: The last epoch whose end the consumer took (the one before ``epoch`` at first).
         self.taken_end = epoch - 1
         #: The consumer asked for the end of an epoch: it will ask again (a plain loop).
         self.asks_for_end = False
-        #: A batch failed and the consumer has not asked for what follows it yet.
-        self.after_error = False
-        #: (epoch, messages up to and including the failed batch): the consumer asks for what
-        #: follows the error only once it handed out that many.
-        self.paused_at = (epoch, 0)
+        #: While a batch failed and the consumer has not asked for what follows it: (epoch,
+        #: messages up to and including the failed batch); the consumer asks for what follows
+        #: the error only once it handed out that many. None otherwise.
+        self.paused_at: tuple[int, int] | None = None
         #: Serialises who calls ``set_epoch`` for the next epoch: the producer opening it
         #: ahead, or the consumer taking the end.
         self.open_lock = threading.Lock()
@@ -243,8 +248,8 @@ class Puller:
         if ends_epoch:
             self.batches, self.finished = None, True
         else:
-            self.after_error = True  # nothing more is pulled until the consumer asks
-            self.paused_at = (self.epoch, self.pulled)  # pulled counts the failed batch
+            # Nothing more is pulled until the consumer asks; pulled counts the failed batch.
+            self.paused_at = (self.epoch, self.pulled)
             self.channel.wake.set()
         state = None
         if not ends_epoch:
@@ -269,6 +274,15 @@ class Puller:
         # At the epoch's len() the end waits for the consumer's request (``asks_for_end``,
         # above); past it, it was asked for (see the class invariants).
         return not self.expected or self.pulled != self.expected
+
+    @property
+    def after_error(self) -> bool:
+        """A batch failed and the consumer has not asked for what follows it yet."""
+        return self.paused_at is not None
+
+    def go_on(self) -> None:
+        """The consumer asks for what follows the failed batch: pulling may go on."""
+        self.paused_at = None
 
     def wait_at_gate(self) -> bool:
         """Wait until the next pull may happen; False once the channel was let go."""

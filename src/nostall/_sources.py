@@ -61,6 +61,9 @@ class SourceKind:
         * ``map_style`` and ``torch_iteration`` are False without ``loader``.
     """
 
+    #: The source itself: the engine opens it through this value, so that what it is and what
+    #: is opened never part (a sharded copy is classified anew).
+    source: Any = dataclasses.field(compare=False, repr=False)
     #: The source's type, as messages name it.
     name: str
     client: Client
@@ -138,6 +141,7 @@ def classify(source: object) -> SourceKind:
         inner = loader
     map_style = loader is not None and not isinstance(loader.dataset, IterableDataset)
     return SourceKind(
+        source=source,
         name=type(source).__qualname__,
         client=client,
         loader=loader,
