@@ -236,3 +236,15 @@ def test_no_engine_module_writes_the_lineages_fields() -> None:
         in ("lineage", "_lineage")
     }
     assert set() == writes
+
+
+def test_prefetch_takes_exactly_the_prefetchers_arguments() -> None:
+    """``prefetch()`` spells out ``Prefetcher``'s parameters (help() and IDEs show them there).
+
+    Written twice on purpose, so a test keeps the two the same: names, kinds, defaults and
+    annotations.
+    """
+    import inspect
+
+    theirs = list(inspect.signature(nostall.Prefetcher.__init__).parameters.values())[1:]
+    assert list(inspect.signature(nostall.prefetch).parameters.values()) == theirs
