@@ -39,6 +39,7 @@ from frameworks.lightning_run import (
     SAMPLES,
     SEED,
     Recorder,
+    dataset,
     make_loader,
     make_trainer,
 )
@@ -210,6 +211,51 @@ def test_loading_threads_train_on_what_the_dataloader_gives(sampler: str, across
     assert expected.weights == actual.weights
 
 
+class ShardedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """:func:`dataset`'s samples as a stream: worker w of n reads every n-th, shuffled.
+
+    The shuffle is drawn from ``get_worker_info().seed`` (the worker's seed, ``base_seed + w``),
+    as a shard reader seeds its shuffle buffer, so the seeds a worker is given show in the order.
+    """
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        data = dataset()
+        info = torch.utils.data.get_worker_info()
+        mine = range(SAMPLES) if info is None else range(info.id, SAMPLES, info.num_workers)
+        seed = 0 if info is None else info.seed
+        order = torch.randperm(len(mine), generator=torch.Generator().manual_seed(seed))
+        for i in order.tolist():
+            yield data[mine[i]]
+
+
+def stream_loader(workers: int) -> torch.utils.data.DataLoader[Any]:
+    """The stream in batches; each epoch's worker seeds drawn from the loader's own generator.
+
+    (From torch's global generator, the epochs after a resumed one would draw from a state a
+    Lightning checkpoint does not hold: no resumed run, with or without nostall, repeats them.)
+    """
+    generator = torch.Generator().manual_seed(SEED)
+    return torch.utils.data.DataLoader(
+        ShardedStream(), batch_size=BATCH, num_workers=workers, generator=generator
+    )
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
+def test_loading_threads_over_a_stream_train_on_what_two_workers_give(across: bool) -> None:
+    """Lightning on prefetch(stream loader, threads=2): what the loader with 2 workers trains on.
+
+    The threads read the stream as worker processes do: each its shard, its seed, batches in
+    the workers' turns; each epoch's seeds drawn from the global generator in the same place.
+    """
+    expected = fit(lambda: stream_loader(2))
+    actual = fit(lambda: nostall.prefetch(stream_loader(0), "cpu", across_epochs=across, threads=2))
+    assert sorted(expected.seen[0]) == list(range(SAMPLES))
+    assert expected.seen[0] != expected.seen[1]  # each epoch's seeds differ
+    for epoch in range(EPOCHS):
+        assert expected.seen[epoch] == actual.seen.get(epoch), f"epoch {epoch}"
+    assert expected.weights == actual.weights
+
+
 def test_seed_everything_workers_reaches_the_dataloader() -> None:
     """With seed_everything(workers=True), Lightning sets the loader's worker_init_fn.
 
@@ -327,6 +373,68 @@ def test_resume_mid_epoch(tmp_path: Path, across: bool, how: str) -> None:
     )
     assert {1: expected.seen[1][3 * BATCH :], 2: expected.seen[2]} == resumed.seen
     assert expected.weights == resumed.weights
+
+
+@pytest.mark.parametrize("how", ["callback", "lightning"])
+@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
+def test_resume_a_stream_under_threads_mid_epoch(tmp_path: Path, across: bool, how: str) -> None:
+    """Threads over a stream, saved after the 3rd batch of epoch 1 and resumed: the rest.
+
+    The reference is Lightning's uninterrupted run with 2 worker processes. The stream's
+    order comes from each epoch's worker seeds, drawn from the global generator; nostall's
+    state holds what they were drawn from, and what the next epoch's draw finds.
+    """
+    expected = fit(lambda: stream_loader(2))
+    resumed = fit_and_resume(
+        lambda: nostall.prefetch(stream_loader(0), "cpu", across_epochs=across, threads=2),
+        tmp_path,
+        f"epoch=1-step={MID_STEP}.ckpt",
+        how=how,
+        every_n_train_steps=MID_STEP,
+    )
+    assert {1: expected.seen[1][3 * BATCH :], 2: expected.seen[2]} == resumed.seen
+    assert expected.weights == resumed.weights
+
+
+class StatefulStream:
+    """A loader without a length that keeps its own state (as torchdata's loaders do)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        data = dataset()
+        while self.position < SAMPLES:
+            rows = range(self.position, min(self.position + BATCH, SAMPLES))
+            self.position += len(rows)
+            yield [torch.stack([data[i][part] for i in rows]) for part in range(3)]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_a_state_that_cannot_leave_out_lightnings_batch_ahead_warns(tmp_path: Path) -> None:
+    """Over a source that keeps its own state, the batch Lightning holds cannot be uncounted.
+
+    Lightning saves the prefetcher's state in its checkpoint mid-epoch, one batch ahead of its
+    step: the state would skip that batch on resume, so nostall says so, with the fix.
+    """
+    checkpointing = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=3)
+    with pytest.warns(UserWarning, match="fetched ahead of its step") as caught:
+        fit(
+            lambda: nostall.prefetch(StatefulStream(), "cpu"),
+            callbacks=lambda source: [checkpointing],
+            enable_checkpointing=True,
+            max_epochs=1,
+        )
+    message = str(next(w.message for w in caught if "fetched ahead" in str(w.message)))
+    assert "counts 1 batch(es)" in message
+    assert "keeps its own state" in message
+    assert "__len__" in message
 
 
 @pytest.mark.parametrize("how", ["callback", "lightning"])

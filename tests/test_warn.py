@@ -263,6 +263,51 @@ def set_epoch_drops_a_loaded_state(entry: Entry, monkeypatch: pytest.MonkeyPatch
     p.set_epoch(4)  # <- warns
 
 
+def lightning_fetched_ahead(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning over a stateful loader without a length, its state read in the user's hook."""
+    lightning: Any = pytest.importorskip("lightning")
+
+    class Stream:
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter([torch.ones(2, 1)] * 4)
+
+        def state_dict(self) -> dict[str, int]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    class Model(lightning.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.layer(batch).sum()
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1:
+                p.state_dict()  # <- warns
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    p = entry(Stream(), "cpu")
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")  # its advice on loaders, here
+        trainer.fit(Model(), p)
+    p.close()
+
+
 def sampler_set_epoch_drops_a_loaded_state(entry: Entry, monkeypatch: pytest.MonkeyPatch) -> None:
     def loader() -> DataLoader[int]:
         data = as_dataset(list(range(8)))
@@ -306,6 +351,7 @@ ROWS = {
     "one-shot": Row(one_shot_exhausted, UserWarning, "one-shot iterator that is exhausted"),
     "set-epoch": Row(set_epoch_drops_a_loaded_state, UserWarning, "state is dropped"),
     "sampler-epoch": Row(sampler_set_epoch_drops_a_loaded_state, UserWarning, "state is dropped"),
+    "lightning-ahead": Row(lightning_fetched_ahead, UserWarning, "fetched ahead of its step"),
 }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
@@ -84,7 +84,7 @@ class PrefetchIterator(Iterator[T]):
     raises :class:`~nostall.PrefetcherClosedError` saying why).
     """
 
-    def __init__(self, owner: Owner) -> None:
+    def __init__(self, owner: Owner, held_ahead: Callable[[], int] = lambda: 0) -> None:
         # Its parts, not a reference to the owner: the owner may be dropped while this runs,
         # and this object must be collectable on its own.
         self._settings = owner._settings  # frozen: the settings as this iteration began
@@ -96,6 +96,9 @@ class PrefetchIterator(Iterator[T]):
         )
         self._lineage = owner._lineage
         self._recorder = owner._recorder
+        #: Batches the caller took from this iteration and has not given its step yet (a
+        #: framework's loop that fetches ahead): a state saved now does not count them.
+        self.held_ahead = held_ahead
         self._state = Lifecycle.CREATED
         self._stopped_why = ""
         self._puller: Puller | None = None

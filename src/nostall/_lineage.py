@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._channel import BATCH, Channel
@@ -23,6 +24,8 @@ from ._warn import warn
 
 class Iteration(Protocol):
     """What the lineage asks of the pass it holds (a ``PrefetchIterator``)."""
+
+    held_ahead: Callable[[], int]
 
     @property
     def running(self) -> bool: ...

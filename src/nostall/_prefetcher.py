@@ -14,10 +14,11 @@ from ._epochs import EpochSource
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._fabric import fabric_device
 from ._iteration import PrefetchIterator
+from ._lightning import held_ahead, iterating_fetcher, warn_counted_ahead
 from ._lineage import Lineage
 from ._loader_attributes import LoaderAttributes
 from ._profile import StallRecorder, StallReport
-from ._resume import loaded_position, state_of
+from ._resume import loaded_position, state_of, uncounts
 from ._samplers import forward_set_epoch as _forward_set_epoch
 from ._settings import Settings
 from ._sharding import sharded_copy
@@ -292,7 +293,11 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             previous._finish_if_complete()
             previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
         self._resolve_shard()  # once the previous epoch ended: never mid-epoch
-        iteration: PrefetchIterator[T] = PrefetchIterator(self)
+        # Lightning's loop over a loader without a length fetches one batch ahead of its step.
+        fetcher = iterating_fetcher()
+        iteration: PrefetchIterator[T] = PrefetchIterator(
+            self, lambda: held_ahead(fetcher) if fetcher is not None else 0
+        )
         lineage.began(iteration)
         return iteration
 
@@ -334,12 +339,18 @@ class Prefetcher(LoaderAttributes, Generic[T]):
     def state_dict(self) -> dict[str, Any]:
         """Where the user is: the epoch and the batches of it already handed out.
 
-        Batches fetched ahead are not counted. Save it with your checkpoint; give it to
+        Batches fetched ahead are not counted, nor those Lightning's loop took ahead of its
+        step (over a loader without a length, see :mod:`nostall._lightning`; where they cannot
+        be left out, it warns). Save it with your checkpoint; give it to
         :meth:`load_state_dict` of a fresh prefetcher over an identically built source.
         """
         self._resolve_shard()  # the next epoch's source, once it is sharded
         lineage = self._lineage
-        return state_of(lineage.at, lineage.epochs)
+        active = lineage.active_iteration()
+        held = 0 if active is None else active.held_ahead()
+        if held and lineage.at.loaded is None and not uncounts(lineage.at, lineage.epochs):
+            warn_counted_ahead(describe(self._source), held, lineage.epochs.stateful)
+        return state_of(lineage.at, lineage.epochs, held)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state``: the next iteration yields the rest of its epoch.

@@ -96,8 +96,22 @@ class Position:
         return Position(epoch, handed_out, AS_BUILT, self.transform_state, loaded)
 
 
-def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
-    """The dictionary ``Prefetcher.state_dict()`` returns at position ``at``."""
+def uncounts(at: Position, epochs: EpochSource) -> bool:
+    """Whether a state saved at ``at`` can leave out batches handed out last.
+
+    Where the epoch's order is drawn again on resume and the batches before are skipped: not
+    where the source keeps its own state, nor a transform, which moved past them already.
+    """
+    return not epochs.stateful and at.transform_state is None
+
+
+def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]:
+    """The dictionary ``Prefetcher.state_dict()`` returns at position ``at``.
+
+    ``held``: of the batches handed out, those the loop took ahead of its step and has not
+    trained on (see :mod:`nostall._lightning`); not counted where :func:`uncounts`, so that
+    a resumed run hands them out again.
+    """
     if at.loaded is not None:
         return at.loaded
     epoch, handed_out, saved = at.epoch, at.handed_out, at.source_state
@@ -117,6 +131,8 @@ def state_of(at: Position, epochs: EpochSource) -> dict[str, Any]:
         # Inside the epoch: how the next epoch's order is drawn, which across epochs the
         # producer may have done already, before this state or the user's own checkpoint.
         saved = {**saved, **epochs.next_epoch(epoch)}
+        if uncounts(at, epochs):
+            handed_out -= min(held, handed_out)
     state: dict[str, Any] = {
         "nostall": STATE_VERSION,
         "epoch": epoch,
