@@ -42,6 +42,7 @@ from frameworks.lightning_run import (
     dataset,
     make_loader,
     make_trainer,
+    stream_loader,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -211,35 +212,6 @@ def test_loading_threads_train_on_what_the_dataloader_gives(sampler: str, across
     assert expected.weights == actual.weights
 
 
-class ShardedStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """:func:`dataset`'s samples as a stream: worker w of n reads every n-th, shuffled.
-
-    The shuffle is drawn from ``get_worker_info().seed`` (the worker's seed, ``base_seed + w``),
-    as a shard reader seeds its shuffle buffer, so the seeds a worker is given show in the order.
-    """
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        data = dataset()
-        info = torch.utils.data.get_worker_info()
-        mine = range(SAMPLES) if info is None else range(info.id, SAMPLES, info.num_workers)
-        seed = 0 if info is None else info.seed
-        order = torch.randperm(len(mine), generator=torch.Generator().manual_seed(seed))
-        for i in order.tolist():
-            yield data[mine[i]]
-
-
-def stream_loader(workers: int) -> torch.utils.data.DataLoader[Any]:
-    """The stream in batches; each epoch's worker seeds drawn from the loader's own generator.
-
-    (From torch's global generator, the epochs after a resumed one would draw from a state a
-    Lightning checkpoint does not hold: no resumed run, with or without nostall, repeats them.)
-    """
-    generator = torch.Generator().manual_seed(SEED)
-    return torch.utils.data.DataLoader(
-        ShardedStream(), batch_size=BATCH, num_workers=workers, generator=generator
-    )
-
-
 @pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
 def test_loading_threads_over_a_stream_train_on_what_two_workers_give(across: bool) -> None:
     """Lightning on prefetch(stream loader, threads=2): what the loader with 2 workers trains on.
@@ -394,6 +366,44 @@ def test_resume_a_stream_under_threads_mid_epoch(tmp_path: Path, across: bool, h
     )
     assert {1: expected.seen[1][3 * BATCH :], 2: expected.seen[2]} == resumed.seen
     assert expected.weights == resumed.weights
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
+def test_a_stream_under_threads_resumes_mid_epoch_in_a_fresh_process(
+    tmp_path: Path, across: bool
+) -> None:
+    """One process trains and checkpoints after the 3rd step of epoch 1; a new one resumes.
+
+    The resumed process trains on the rest of the uninterrupted run: Lightning's checkpoint
+    holds the prefetcher's state, which leaves out the batch Lightning took ahead.
+    """
+    script = ROOT / "tests" / "frameworks" / "lightning_stream_run.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH")])
+    )
+    flags = ["--across"] if across else []
+
+    def run(out: str, *more: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / out), *more, *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env=env,
+        )
+        assert 0 == done.returncode, done.stderr[-5000:]
+        return json.loads((tmp_path / out).read_text())  # type: ignore[no-any-return]
+
+    saved = run("saved.json", "--save", str(tmp_path / "ckpt"))
+    checkpoint = tmp_path / "ckpt" / f"epoch=1-step={MID_STEP}.ckpt"
+    resumed = run("resumed.json", "--resume", str(checkpoint))
+    expected = fit(lambda: stream_loader(2))
+    assert {str(e): s for e, s in expected.seen.items()} == saved["seen"]
+    rest = {"1": expected.seen[1][3 * BATCH :], "2": expected.seen[2]}
+    assert rest == resumed["seen"]
+    assert expected.weights == resumed["weights"]
 
 
 class StatefulStream:

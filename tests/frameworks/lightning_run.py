@@ -23,13 +23,20 @@ import os
 import subprocess
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    TensorDataset,
+    get_worker_info,
+)
 
 import nostall
 
@@ -66,6 +73,33 @@ def make_loader(workers: int = 0, sampler: str = "shuffle") -> DataLoader[Any]:
     else:
         assert "shuffle" == sampler, sampler
     return DataLoader(data, batch_size=BATCH, shuffle=True, **kwargs)
+
+
+class ShardedStream(IterableDataset):  # type: ignore[type-arg]
+    """:func:`dataset`'s samples as a stream: worker w of n reads every n-th, shuffled.
+
+    The shuffle is drawn from ``get_worker_info().seed`` (the worker's seed, ``base_seed + w``),
+    as a shard reader seeds its shuffle buffer, so the seeds a worker is given show in the order.
+    """
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        data = dataset()
+        info = get_worker_info()
+        mine = range(SAMPLES) if info is None else range(info.id, SAMPLES, info.num_workers)
+        seed = 0 if info is None else info.seed
+        order = torch.randperm(len(mine), generator=torch.Generator().manual_seed(seed))
+        for i in order.tolist():
+            yield data[mine[i]]
+
+
+def stream_loader(workers: int) -> DataLoader[Any]:
+    """The stream in batches; each epoch's worker seeds drawn from the loader's own generator.
+
+    (From torch's global generator, the epochs after a resumed one would draw from a state a
+    Lightning checkpoint does not hold: no resumed run, with or without nostall, repeats them.)
+    """
+    generator = torch.Generator().manual_seed(SEED)
+    return DataLoader(ShardedStream(), batch_size=BATCH, num_workers=workers, generator=generator)
 
 
 def wrap(loader: DataLoader[Any], mode: str, across: bool) -> Any:
