@@ -227,7 +227,7 @@ class ThreadedEpoch(Iterator[Any]):
             for future in started.futures or ():
                 self._wait(future)
             started.trial = None
-        if trial.judge():
+        if on_trial and trial.judge():  # a trial that started nothing is not judged
             for started in on_trial:
                 started.futures = None
 
