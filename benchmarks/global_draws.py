@@ -122,7 +122,7 @@ def main() -> None:
         return
     import numpy as np
 
-    from nostall._global_draws import moved, snapshot
+    from nostall._generators import moved, snapshot
 
     np.random.rand()
     first = snapshot()

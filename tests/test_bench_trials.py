@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from helpers import TINY_BENCH, wait_for_no_nostall_threads
 
-from nostall.bench import BenchConfig, run_bench
+from nostall.bench import BenchConfig, _trials, run_bench
 from nostall.bench import _contenders as c
+from nostall.bench._workloads import train_step
 
 
 def test_tiny_run_measures_every_contender_in_every_trial(tmp_path: Path) -> None:
@@ -70,3 +72,27 @@ def test_equal_load_and_compute_take_close_to_half_the_serial_time() -> None:
     speedup = run_bench(config).stat("synthetic", "1", "nostall", "speedup")
     assert speedup is not None
     assert speedup.high > 1.5, speedup
+
+
+def test_the_jpeg_trial_takes_its_own_batch_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--jpeg-batch-size sizes the JPEG trial's batches: more of them an epoch than of 32."""
+    seen: dict[int, set[int]] = {}
+
+    def recording(width: int, device: torch.device) -> Any:
+        step = train_step(width, device)
+
+        def recorded(batch: Any) -> float:
+            seen.setdefault(width, set()).add(len(batch[1]))
+            return step(batch)
+
+        return recorded
+
+    monkeypatch.setattr(_trials, "train_step", recording)
+    only = {"jpeg_images": 6, "jpeg_batch_size": 3, "jpeg_width": 3, "regime_batches": 0}
+    run_bench(
+        BenchConfig(**{**TINY_BENCH, **only, "contenders": ("nostall",)}, jpeg_cache=str(tmp_path))
+    )
+    assert {3} == seen[3]  # the JPEG step: batches of 3, the synthetic ones of 8
+    assert {8} == seen[TINY_BENCH["width"]]

@@ -11,27 +11,19 @@ from __future__ import annotations
 import random
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from helpers import wait_until
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 import nostall
 from nostall import PrefetchTimeoutError
-from nostall._global_draws import (
-    CUDA,
-    NUMPY,
-    PYTHON,
-    TORCH,
-    DrawWatch,
-    GlobalDrawsWarning,
-    moved,
-    snapshot,
-)
+from nostall._generators import CUDA, NUMPY, PYTHON, TORCH, Trial, moved, snapshot
+from nostall._global_draws import DrawWatch, GlobalDrawsWarning
 from nostall._sources import classify
 
 SAMPLES, FEATURES = 48, 8
@@ -277,6 +269,72 @@ def test_snapshots_see_each_generator_and_nothing_else() -> None:
     np.random.rand()
     assert (TORCH, PYTHON, NUMPY) == moved(before, snapshot())
     assert CUDA not in moved(before, snapshot())
+
+
+def test_a_trial_puts_back_each_generator_it_saw_drawn_from_once() -> None:
+    np = pytest.importorskip("numpy")
+    seen: list[tuple[str, ...]] = []
+    trial = Trial(seen.append)
+    expected = (torch.rand(2), random.random(), np.random.rand(), np.random.standard_normal())
+    assert (TORCH, PYTHON, NUMPY) == trial.judge()
+    again = (torch.rand(2), random.random(), np.random.rand(), np.random.standard_normal())
+    assert torch.equal(expected[0], again[0])
+    assert expected[1:] == again[1:]
+    assert (TORCH, PYTHON, NUMPY) == trial.judge()  # judged once: nothing put back again
+    assert not torch.equal(expected[0], torch.rand(2))
+    assert [(TORCH, PYTHON, NUMPY)] == seen
+    assert () == Trial(seen.append).judge()
+
+
+class DrawingBatches(Sampler[list[int]]):
+    """Pairs of indices in order, drawing from torch's global generator at every batch."""
+
+    def __len__(self) -> int:
+        return SAMPLES // 2
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for k in range(len(self)):
+            torch.rand(())
+            yield [2 * k, 2 * k + 1]
+
+
+class CountedJitter(Jittered):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetched = 0
+        self.lock = threading.Lock()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self.lock:
+            self.fetched += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize(
+    ("build", "fetched_twice"),
+    [
+        (lambda: DataLoader(CountedJitter(), batch_size=1), 4),  # 4 batches on the first trial
+        (lambda: DataLoader(CountedJitter(), batch_size=3, shuffle=True), 3),
+        (lambda: DataLoader(CountedJitter(), batch_size=5), 5),
+        (lambda: DataLoader(Features(), batch_sampler=DrawingBatches()), 0),  # none ahead
+    ],
+    ids=["one-per-batch", "shuffled", "batch-past-threads", "drawing-sampler"],
+)
+def test_threads_fetch_the_first_batches_on_trial_and_stay_exact(
+    build: Callable[[], DataLoader[Any]], fetched_twice: int
+) -> None:
+    """The first batch's samples are fetched by the threads, the generators watched.
+
+    A dataset that draws: the generators are put back and the trial's samples fetched again,
+    in order, once each (the trial's cost); the losses are the plain loop's. A sampler of the
+    user's may draw at every batch: no batch is started ahead of the loop on a trial.
+    """
+    expected = train(build)
+    source = build()
+    assert expected == nostall_losses(source, threads=4)
+    dataset = source.dataset
+    if isinstance(dataset, CountedJitter):
+        assert SAMPLES + fetched_twice == dataset.fetched
 
 
 def test_lists_and_worker_loaders_start_clear() -> None:

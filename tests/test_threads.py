@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -254,31 +255,12 @@ def test_worker_info_is_the_threads_own_and_the_main_thread_sees_none() -> None:
         assert torch.thread_safe_generator() is None
 
 
-def test_samples_of_one_batch_load_in_parallel() -> None:
-    """A batch's 4 samples are fetched at once: a 4-party barrier in them passes.
-
-    The second batch: the first is loaded one sample at a time, watched for draws from the
-    global generators (see test_global_draws).
-    """
-    barrier = threading.Barrier(4, timeout=20)
-
-    class Together(Dataset[int]):
-        def __len__(self) -> int:
-            return 8
-
-        def __getitem__(self, i: int) -> int:
-            if i >= 4:
-                barrier.wait()  # breaks (and raises) unless 4 threads fetch at the same time
-            return i
-
-    batches = [
-        b.tolist() for b in nostall.prefetch(DataLoader(Together(), batch_size=4), "cpu", threads=4)
-    ]
-    assert [[0, 1, 2, 3], [4, 5, 6, 7]] == batches
-
-
 class InFlightTogether(Dataset[int]):
-    """Each fetch waits (30 s at most) until ``together`` fetches are in flight at once."""
+    """Each fetch waits (30 s at most) until ``together`` fetches are in flight at once.
+
+    The pattern of PyTorch's ``test_worker_seed``: N workers (here N threads) must be fetching
+    at the same time, from the very first sample.
+    """
 
     def __init__(self, n: int, together: int) -> None:
         self.n = n
@@ -294,6 +276,44 @@ class InFlightTogether(Dataset[int]):
         return i
 
 
+def _stacked(samples: list[int]) -> torch.Tensor:
+    return torch.tensor(samples)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    ("threads", "build"),
+    [
+        (4, lambda d: DataLoader(d, batch_size=4)),
+        (4, lambda d: DataLoader(d, batch_size=4, shuffle=True)),  # its first pull not judged
+        (4, lambda d: DataLoader(d, batch_size=4, collate_fn=_stacked)),
+        (6, lambda d: DataLoader(d, batch_size=1)),  # torch's test_worker_seed: 6 workers, 1
+        (6, lambda d: DataLoader(d, batch_size=1, shuffle=True)),
+        (6, lambda d: DataLoader(d, batch_size=2, shuffle=True, generator=seeded(2))),
+    ],
+)
+def test_the_first_batches_are_fetched_by_every_thread_too(threads: int, build: Any) -> None:
+    """From the first sample on, N threads fetch at once, while the global draws are watched.
+
+    Until it is known whether the source draws from the global generators, its batches are
+    pulled in step with the loop (test_global_draws): before, their samples were then loaded
+    one at a time in the loop's thread, and a dataset that needs N fetches at once broke.
+    """
+    data = InFlightTogether(24, together=threads)  # 24 / threads rounds, each needs them all
+    data.wait = False
+    torch.manual_seed(5)
+    expected = list(build(data))
+    data.wait = True
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a source that draws nothing: no warning either
+        batches = list(nostall.prefetch(build(data), "cpu", threads=threads))
+    assert_same_batches(expected, batches)
+
+
 def test_small_batches_keep_every_loading_thread_fetching() -> None:
     """batch_size=1, threads=6, depth=2: six samples in flight at once, the loader's batches."""
     data = InFlightTogether(24, together=6)  # 4 rounds of 6: every round needs all 6 threads
@@ -304,7 +324,7 @@ def test_small_batches_keep_every_loading_thread_fetching() -> None:
     expected = list(loader)
     data.wait = True
     g.manual_seed(3)
-    with unwatched():  # no sample loaded in the loop's thread first (see test_global_draws)
+    with unwatched():  # prefetching from the first batch on (see test_global_draws)
         batches = nostall.prefetch(loader, "cpu", depth=2, threads=6)
     assert_same_batches(expected, batches)
 

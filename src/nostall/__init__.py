@@ -13,6 +13,7 @@ stage that uses them); the modules they share and do not draw (``_exceptions``, 
       |   _sources        what the source is, decided once: the kind every other module asks
       |   _webdataset     webdataset pipelines: the shuffles a resume cannot draw again
       |   _sharding       shard=True: each rank's part of an unsharded loader
+      |   _generators     the global random generators: where they are, moved or not, put back
       |   _global_draws   a source that draws from the global generators is pulled in step
       |   _pool           the loading threads: tasks in order, started on demand, idle ones end
       |   _threads        threads=: the loader's samples fetched by loading threads, in order

@@ -91,6 +91,7 @@ class EpochSource:
                     pool,
                     lambda: 0 if draws.in_step else self.room(),
                     inline=lambda: draws.in_step,  # as _iterate: draws in the loop's order
+                    trial=draws.trial,
                 )
             )
         #: The source resumes through its own ``state_dict()`` (torchdata's loader; over
@@ -144,6 +145,7 @@ class EpochSource:
             lambda: 0 if draws.in_step else self.room(),
             skipped,
             inline=lambda: draws.in_step,  # its samples' draws in order, in the pulling thread
+            trial=draws.trial,  # or fetched by the threads, then judged, while not known
         )
 
     @property

@@ -14,9 +14,16 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
 * While it is not known whether the source draws, it is pulled **in step** with the loop: a
   batch is pulled only when the loop asks for it (by the loop's thread, or by the producer
   while the loop waits), so every draw happens where the plain loop makes it. Under
-  ``threads=``, the samples are then loaded one at a time by that same thread.
+  ``threads=N`` (N > 1) that batch's samples (and, after a sampler known to draw only when
+  it starts, the next batches' while fewer than N samples are in flight) are fetched by the
+  N threads on trial (:class:`~nostall._generators.Trial`): the generators' states are
+  saved first and compared once every sample returned. Nothing moved: the samples drew
+  nothing, so when they ran does not matter. Something moved: the generators are put back,
+  the samples are fetched again one at a time, in order, in the pulling thread, and the
+  source is in step for good (the cost: those samples fetched twice). Known to draw, its
+  samples are loaded that way from then on.
 * A pull is judged: the global generators' states are compared before and after it
-  (:func:`snapshot`, :func:`moved`). An epoch's first pull is judged only where the source is
+  (:mod:`nostall._generators`). An epoch's first pull is judged only where the source is
   known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
   generator of its own): a ``RandomSampler`` without a generator draws its order there, as an
   iterable may, once per epoch, at the same point as in the plain loop. Nothing moved: the
@@ -32,7 +39,7 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
 
 What it cannot see: a source that draws only at later batches, or only sometimes; and a draw
 made meanwhile by another thread of the process reads as the source's (a false alarm costs
-speed, never exactness).
+speed, and a trial's rewind would put that thread's draw back, to be drawn again).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import (
@@ -57,6 +64,7 @@ from torch.utils.data import (
     default_convert,
 )
 
+from ._generators import Trial, moved, snapshot
 from ._sources import SourceKind
 from ._torch_compat import index_sampler
 from ._warn import warn
@@ -68,57 +76,9 @@ M = TypeVar("M")
 #: judged pull is a batch not fetched ahead.
 JUDGED_PULLS = 1
 
-#: The generators, as messages name them.
-TORCH, CUDA, PYTHON, NUMPY = (
-    "torch's global generator",
-    "torch.cuda's generator",
-    "Python's random",
-    "NumPy's np.random",
-)
-
 
 class GlobalDrawsWarning(UserWarning):
     """A source draws from the global generators, so nostall loads it in step with the loop."""
-
-
-class Snapshot(NamedTuple):
-    """Where each global generator is; equal snapshots mean nothing was drawn between them."""
-
-    torch: torch.Tensor
-    cuda: tuple[int, ...]
-    python: Any
-    numpy: Any
-
-
-def snapshot() -> Snapshot:
-    """The global generators' positions now (NumPy's only once NumPy is imported).
-
-    torch.cuda's generators are read only once CUDA is initialised (reading them must not
-    initialise it): their Philox offset, which every draw advances.
-    """
-    numpy: Any = sys.modules.get("numpy")
-    cuda: tuple[int, ...] = ()
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        cuda = tuple(g.get_offset() for g in torch.cuda.default_generators)
-    legacy = None
-    if numpy is not None:
-        _, keys, position, *_ = numpy.random.get_state()
-        legacy = (position, keys.tobytes())
-    return Snapshot(torch.default_generator.get_state(), cuda, random.getstate(), legacy)
-
-
-def moved(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
-    """The generators (as :data:`TORCH` ... name them) drawn from between two snapshots."""
-    drawn = []
-    if not torch.equal(before.torch, after.torch):
-        drawn.append(TORCH)
-    if before.cuda != after.cuda:
-        drawn.append(CUDA)
-    if before.python != after.python:
-        drawn.append(PYTHON)
-    if before.numpy is not None and after.numpy is not None and before.numpy != after.numpy:
-        drawn.append(NUMPY)
-    return tuple(drawn)
 
 
 #: In this thread: ``.unreported`` (watch, but say nothing) or ``.unwatched`` (do not watch):
@@ -233,6 +193,8 @@ class DrawWatch:
             return pull()
         before = snapshot()
         message = pull()
+        if self.drew:
+            return message  # a trial of its samples saw them draw (:meth:`saw`)
         drew = moved(before, snapshot())
         if drew:
             self.state, self.drew = Watch.DRAWS, drew
@@ -241,6 +203,21 @@ class DrawWatch:
             if self.judged >= JUDGED_PULLS:
                 self.state, self.in_step = Watch.CLEAR, False
         return message
+
+    def trial(self) -> Trial | None:
+        """A :class:`Trial` for the samples started now, or None to load them one at a time.
+
+        Only while it is not known whether the source draws, and with threads to fetch in
+        parallel (``threads=1`` would gain nothing, and fetch twice a source that draws).
+        """
+        if self.state is not Watch.WATCHING or (self.threads or 0) < 2:
+            return None
+        return Trial(self.saw)
+
+    def saw(self, drew: tuple[str, ...]) -> None:
+        """A trial's samples drew from ``drew``: in step for good, reported at the next pull."""
+        if self.state is Watch.WATCHING:
+            self.state, self.drew = Watch.DRAWS, drew
 
     def report(self) -> None:
         """Warn once, at the user's line, that the source draws (loop's thread, after a pull)."""
@@ -282,6 +259,19 @@ class DrawWatch:
                 "though not the values num_workers=0 draws)"
             )
         return f"nostall: {who} draws from {what} (seen while loading a batch), {done}. {fix}."
+
+
+def quiet_after_start(loader: Any) -> bool:
+    """Whether ``loader``'s index sampler draws from no global generator after its first item.
+
+    torch's own samplers draw (if at all) when their iterator starts, then yield from what
+    they drew or from their own generator: asking them for a later batch's indices ahead of
+    the loop moves no draw. Anything else (a sampler of the user's) may draw per batch.
+    """
+    sampler = index_sampler(loader)
+    if type(sampler) is BatchSampler:
+        sampler = sampler.sampler
+    return type(sampler) in (*_OWN_GENERATOR, SequentialSampler, DistributedSampler, list, tuple)
 
 
 #: Samplers that draw nothing from the global generators when their iterator starts, provided

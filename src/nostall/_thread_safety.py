@@ -44,7 +44,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ._global_draws import Snapshot, moved, snapshot, unwatched
+from ._generators import Snapshot, moved, snapshot
+from ._global_draws import unwatched
 from ._prefetcher import prefetch
 from ._thread_bound import FIX
 from ._torch_compat import auto_collation

@@ -20,14 +20,17 @@ Invariants:
       Python's ``random``, ``np.random`` and torch's global generator stay shared by all
       threads: while ``inline()`` (a dataset that may draw from them, see
       :mod:`nostall._global_draws`) the samples are loaded one at a time in the thread that
-      asks for the batch, in order, so that such draws stay the plain loop's.
+      asks for the batch, in order, so that such draws stay the plain loop's. On a
+      ``trial()`` (not known yet whether they draw) the threads fetch them, and all of the
+      trial's samples are judged before ``next()`` returns: if they drew, the generators
+      are put back and each of its batches is fetched again that way when asked for.
     * At most ``room()`` batches beyond the one asked for are started to fill the
       prefetcher's free slots (so that those batches stay within ``depth``). Beyond them,
       while fewer than N samples are in flight (queued or being fetched), the following
       batches are started too, so that N threads fetch whenever N samples are wanted, also
       with batches smaller than N (``batch_size=1``): those batches hold N samples at most
       in all. So what is started and not handed out stays within ``depth`` batches plus N
-      samples (no such batch is started while the samples are loaded in step, ``inline()``).
+      samples (while ``inline()``, only on a trial: :meth:`ThreadedEpoch._start_on_trial`).
     * An error of the sampler itself comes after the batches it drew before it, as the
       DataLoader's does, and ends the epoch.
     * The look-ahead never asks the sampler past its ``len()``: asking for the end has effects
@@ -59,6 +62,8 @@ from torch.utils.data import DataLoader
 
 from ._exceptions import add_note
 from ._exit import ThreadLetGo
+from ._generators import Trial
+from ._global_draws import quiet_after_start
 from ._pool import Pool, SampleFuture
 from ._stacks import stuck_at
 from ._torch_compat import (
@@ -115,6 +120,17 @@ def sample_seed(base_seed: int, batch: int, within: int) -> int:
     return mixed & (2**63 - 1)
 
 
+class _Batch:
+    """A batch started and not handed out; ``futures`` None once the trial it was on drew."""
+
+    __slots__ = ("futures", "index", "number", "samples", "trial")
+
+    def __init__(self, futures: list[Future[Any]], samples: int, index: Any, number: int) -> None:
+        self.futures: list[Future[Any]] | None = futures
+        self.samples, self.index, self.number = samples, index, number
+        self.trial: Trial | None = None  # the trial it was started on, until judged
+
+
 class ThreadedEpoch(Iterator[Any]):
     """One epoch of ``loader``, its samples fetched by ``pool`` (see the module's invariants)."""
 
@@ -126,14 +142,17 @@ class ThreadedEpoch(Iterator[Any]):
         first_batch: int = 0,
         *,
         inline: Callable[[], bool] = lambda: False,
+        trial: Callable[[], Trial | None] = lambda: None,
     ) -> None:
         """``room()``: batches that may be started ahead; ``first_batch``: the batches skipped.
 
         ``inline()``: load the samples of the batches started now one at a time in the calling
         thread (a dataset that may draw from the global generators: see
-        :mod:`nostall._global_draws`).
+        :mod:`nostall._global_draws`). ``trial()``, asked while ``inline()``: a
+        :class:`~nostall._generators.Trial` to fetch them on with the threads instead (not
+        known yet whether they draw), or None.
         """
-        self.inline = inline
+        self.inline, self.trial = inline, trial
         answer_worker_info_per_thread()  # get_worker_info() per loading thread
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
@@ -147,7 +166,10 @@ class ThreadedEpoch(Iterator[Any]):
         self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
         self.room = room
         #: The batches started and not handed out: each one's futures and its sample count.
-        self.pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
+        self.pending: collections.deque[_Batch] = collections.deque()
+        #: The sampler draws nothing from the global generators past its start: batches may be
+        #: started ahead of the loop on a trial.
+        self.quiet_ahead = quiet_after_start(loader)
         #: The next batch's indices, drawn to see whether it fits the threads (``_NONE``: none).
         self.drawn: Any = _NONE
         self.batch = first_batch  # the number in the epoch of the next batch started
@@ -166,7 +188,11 @@ class ThreadedEpoch(Iterator[Any]):
         self.dropped.set()
 
     def __next__(self) -> Any:
-        if not self.pending and not self._start_next():
+        trial = None
+        if self.inline() and not self.pending:  # else each pending batch was judged already
+            self._peek()  # the sampler's own draws (its order, at its start) come first
+            trial = self.trial()
+        if not self.pending and not self._start_next(trial):
             raise StopIteration
         while (
             not self.exhausted
@@ -174,8 +200,15 @@ class ThreadedEpoch(Iterator[Any]):
             and (self.length is None or self.batch < self.length)
         ):
             self._start_next()
-        self._start_for_idle_threads()
-        futures, _ = self.pending.popleft()
+        if trial is not None:
+            self._start_on_trial(trial)
+            self._judge(trial)
+        else:
+            self._start_for_idle_threads()
+        started = self.pending.popleft()
+        futures = started.futures
+        if futures is None:  # fetched on a trial that drew: again, in order, now
+            futures = self._submit_batch(started.index, started.number, here=True)
         samples = [self._result(f) for f in futures]  # the first failed sample's error, if any
         if self.auto and self.getitems is None:
             batch = self.collate(samples)
@@ -183,8 +216,30 @@ class ThreadedEpoch(Iterator[Any]):
             batch = self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
         return batch if self.pin is None else self.pin(batch)
 
+    def _judge(self, trial: Trial) -> None:
+        """Wait for every sample started on ``trial``, then judge it (see the invariants).
+
+        A trial that drew put the generators back; its batches' samples, fetched in whatever
+        order the threads ran, are dropped, to be fetched again when each batch is asked for.
+        """
+        on_trial = [b for b in self.pending if b.trial is trial]
+        for started in on_trial:
+            for future in started.futures or ():
+                self._wait(future)
+            started.trial = None
+        if on_trial and trial.judge():  # a trial that started nothing is not judged
+            for started in on_trial:
+                started.futures = None
+
     def _result(self, future: Future[Any]) -> Any:
-        """``future``'s sample, waited for in slices (an exit interrupt gets through).
+        self._wait(future)  # see there
+        try:
+            return future.result()
+        except ThreadLetGo as e:  # its thread was let go (stuck): never this thread's own exit
+            raise RuntimeError(f"{getattr(future, 'sample', 'a sample')} was let go") from e
+
+    def _wait(self, future: Future[Any]) -> None:
+        """Wait for ``future`` in slices (an exit interrupt gets through).
 
         Raises:
             RuntimeError: the loader's ``timeout`` passed first, as a DataLoader's workers
@@ -205,10 +260,6 @@ class ThreadedEpoch(Iterator[Any]):
                         )
             finally:
                 self.waiting = None
-        try:
-            return future.result()
-        except ThreadLetGo as e:  # its thread was let go (stuck): never this thread's own exit
-            raise RuntimeError(f"{getattr(future, 'sample', 'a sample')} was let go") from e
 
     def waiting_on(self) -> str:
         """What ``__next__`` waits for now: the sample, its thread and line; '' if nothing."""
@@ -224,6 +275,25 @@ class ThreadedEpoch(Iterator[Any]):
         line = stuck_at(thread).line
         return f"{sample} in {thread.name!r}" + (f" at {line}" if line else "")
 
+    def _start_on_trial(self, trial: Trial) -> None:
+        """Start the batches after the one asked for on ``trial``, N samples in all at most.
+
+        So that N threads fetch at once from the first batch on (``batch_size=1`` too). Counted,
+        not timed (unlike :meth:`_start_for_idle_threads`): the trial waits for all its samples,
+        which must be able to finish together whatever the timing. Only after a sampler that
+        draws nothing past its start (:func:`~nostall._global_draws.quiet_after_start`).
+        """
+        if not self.quiet_ahead:
+            return
+        spare = self.pool.size - sum(b.samples for b in self.pending)  # the batch asked for
+        while spare > 0 and (self.length is None or self.batch < self.length):
+            index = self._peek()
+            samples = self._samples(index)
+            if index is _NONE or samples > spare:
+                return  # the end, the sampler's error (queued), or a batch too big to fit
+            self._start_next(trial)
+            spare -= samples
+
     def _start_for_idle_threads(self) -> None:
         """Start the batches after the room's while a thread would have no sample to fetch.
 
@@ -231,12 +301,13 @@ class ThreadedEpoch(Iterator[Any]):
         batches past the room's, with it, hold at most N samples: with ``batch_size=1`` and
         ``depth=2``, N = 6 threads fetch 6 samples at once, not ``depth + 1``. Never past the
         sampler's ``len()``, nor while the samples are loaded in step (``inline()``: they
-        would be loaded now, in this thread, ahead of the loop's own draws).
+        would be loaded now, in this thread, ahead of the loop's own draws; a trial starts
+        its own: :meth:`_start_on_trial`).
         """
         if self.inline():
             return
         size = self.pool.size
-        spare = size - sum(n for _, n in itertools.islice(self.pending, self.room() + 1, None))
+        spare = size - sum(b.samples for b in itertools.islice(self.pending, self.room() + 1, None))
         while (
             spare > 0
             and self.pool.in_flight() < size
@@ -274,28 +345,33 @@ class ThreadedEpoch(Iterator[Any]):
             self.exhausted = True
             failed: Future[Any] = Future()
             failed.set_exception(e)
-            self.pending.append(([failed], 0))
+            self.pending.append(_Batch([failed], 0, None, self.batch))
         return self.drawn
 
-    def _start_next(self) -> bool:
-        """Queue the next batch's samples; False at the end of the sampler."""
+    def _start_next(self, trial: Trial | None = None) -> bool:
+        """Queue the next batch's samples (on ``trial``, if any); False at the sampler's end."""
         before = len(self.pending)
         index = self._peek()
         if index is _NONE:
             return len(self.pending) > before  # the sampler's error, queued in its place
         self.drawn = _NONE
         batch, self.batch = self.batch, self.batch + 1
-        if self.getitems is not None or not self.auto:
-            fetch = self.getitems if self.getitems is not None else self.dataset.__getitem__
-            started = [self._submit(fetch, index, batch, 0)]
-        else:
-            fetch = self.dataset.__getitem__
-            started = [self._submit(fetch, i, batch, k) for k, i in enumerate(index)]
-        self.pending.append((started, self._samples(index)))
+        here = trial is None and self.inline()
+        started = _Batch(self._submit_batch(index, batch, here), self._samples(index), index, batch)
+        started.trial = trial
+        self.pending.append(started)
         return True
 
+    def _submit_batch(self, index: Any, batch: int, here: bool) -> list[Future[Any]]:
+        """The futures of batch number ``batch``'s samples (``here``: fetched in this thread)."""
+        if self.getitems is not None or not self.auto:
+            fetch = self.getitems if self.getitems is not None else self.dataset.__getitem__
+            return [self._submit(fetch, index, batch, 0, here)]
+        fetch = self.dataset.__getitem__
+        return [self._submit(fetch, i, batch, k, here) for k, i in enumerate(index)]
+
     def _submit(
-        self, fetch: Callable[[Any], Any], index: Any, batch: int, within: int
+        self, fetch: Callable[[Any], Any], index: Any, batch: int, within: int, here: bool
     ) -> Future[Any]:
         seed = sample_seed(self.base_seed, batch, within)
         dataset, dropped, size = self.dataset, self.dropped, self.pool.size
@@ -314,7 +390,7 @@ class ThreadedEpoch(Iterator[Any]):
                     add_note(e, f"nostall: raised by dataset[{index!r}] in {thread!r}")
                     raise
 
-        if self.inline():
+        if here:
             done: Future[Any] = SampleFuture(index)
             try:
                 done.set_result(task(0))

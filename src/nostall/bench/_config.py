@@ -24,7 +24,7 @@ def _knob(default: Any, help: str, parse: Callable[[str], Any]) -> Any:
 class BenchConfig:
     """Every knob of ``nostall bench``; the defaults take about a minute on two CPU cores."""
 
-    batches: int = _knob(16, "batches per epoch of the synthetic images", flag_count)
+    batches: int = _knob(12, "batches per epoch of the synthetic images", flag_count)
     batch_size: int = _knob(32, "samples per batch", flag_count)
     image_size: int = _knob(64, "synthetic images are 3 x SIZE x SIZE uint8", flag_count)
     width: int = _knob(16, "channels of the convnet trained on the synthetic images", flag_count)
@@ -42,7 +42,10 @@ class BenchConfig:
     repeats: int = _knob(3, "repeats of every timed epoch, contenders alternating", flag_count)
     device: DeviceLike = _knob(None, "where the step runs (default: CUDA if present)", str)  # noqa: RUF009
     contenders: tuple[str, ...] = _knob((), "run only these (comma-separated)", flag_list(str))
-    jpeg_images: int = _knob(96, "JPEG files of the image workload (0: none)", _naturals)
+    jpeg_images: int = _knob(
+        128, "JPEG files of the image workload: an epoch of them (0: none)", _naturals
+    )
+    jpeg_batch_size: int = _knob(16, "samples per batch of the JPEG files", flag_count)
     jpeg_size: int = _knob(224, "JPEG samples are cropped and resized to SIZE x SIZE", flag_count)
     jpeg_width: int = _knob(4, "channels of the convnet trained on the JPEG samples", flag_count)
     jpeg_cache: str | None = _knob(None, "folder of the JPEG files (~/.cache/nostall)", str)

@@ -62,8 +62,11 @@ def epoch_trial(
     step: Step,
     contenders: Sequence[c.Contender],
     advance: Callable[[str], None],
+    batch_size: int | None = None,
 ) -> None:
     """Every contender trains one epoch of ``dataset`` per repeat, alternating.
+
+    In batches of ``batch_size`` (default: the config's).
 
     Records per contender and repeat: samples/s; the stall (share of the epoch waiting for the
     next batch); against the serial loader of the same repeat, the speed-up and the share of
@@ -75,11 +78,9 @@ def epoch_trial(
         torch.device(result.machine["device"]),
         result.machine["workers"],
     )
-    cuda = device.type == "cuda"
-    workers = DataLoader(
-        dataset, cfg.batch_size, num_workers=count, pin_memory=cuda, persistent_workers=True
-    )
-    sources = c.Sources(DataLoader(dataset, batch_size=cfg.batch_size), workers)
+    cuda, size = device.type == "cuda", batch_size or cfg.batch_size
+    workers = DataLoader(dataset, size, num_workers=count, pin_memory=cuda, persistent_workers=True)
+    sources = c.Sources(DataLoader(dataset, batch_size=size), workers)
     loops = {k.name: k.make(sources, device, cfg.depth) for k in contenders}
     for _ in workers:  # starts the persistent workers, outside every timed epoch
         pass
@@ -179,10 +180,11 @@ def run_bench(
         if config.jpeg_images:
             images = JpegImages(jpeg_files(config.jpeg_cache, config.jpeg_images), config.jpeg_size)
             step = train_step(config.jpeg_width, device)
-            s = config.jpeg_size
+            s, n = config.jpeg_size, config.jpeg_batch_size
             probe = torch.zeros(n, 3, s, s, dtype=torch.uint8, device=device)
+            labels = torch.zeros(n, dtype=torch.int64, device=device)
             step_seconds(result, "jpeg", step, (probe, labels))
-            epoch_trial(result, "jpeg", f"{s}px", images, step, contenders, advance)
+            epoch_trial(result, "jpeg", f"{s}px", images, step, contenders, advance, n)
         handoff_trial(result, contenders)
         result.seconds = time.perf_counter() - started
         result.load_average["end"] = list(os.getloadavg())

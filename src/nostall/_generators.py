@@ -1,0 +1,120 @@
+"""The process's global random generators: where they are, whether they moved, and back.
+
+torch's CPU generator, torch.cuda's (once CUDA is initialised), Python's ``random`` and NumPy's
+``np.random`` (once NumPy is imported) are each one stream shared by every thread of the
+process. :func:`snapshot` and :func:`moved` tell whether anything drew between two moments;
+a :class:`Trial` also puts them back. What a prefetcher does with that is
+:mod:`nostall._global_draws`'s.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+#: The generators, as messages name them.
+TORCH, CUDA, PYTHON, NUMPY = (
+    "torch's global generator",
+    "torch.cuda's generator",
+    "Python's random",
+    "NumPy's np.random",
+)
+
+
+class Snapshot(NamedTuple):
+    """Where each global generator is; equal snapshots mean nothing was drawn between them."""
+
+    torch: torch.Tensor
+    cuda: tuple[int, ...]
+    python: Any
+    numpy: Any
+
+
+def snapshot() -> Snapshot:
+    """The global generators' positions now (NumPy's only once NumPy is imported).
+
+    torch.cuda's generators are read only once CUDA is initialised (reading them must not
+    initialise it): their Philox offset, which every draw advances.
+    """
+    numpy: Any = sys.modules.get("numpy")
+    cuda: tuple[int, ...] = ()
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        cuda = tuple(g.get_offset() for g in torch.cuda.default_generators)
+    legacy = None
+    if numpy is not None:
+        _, keys, position, *_ = numpy.random.get_state()
+        legacy = (position, keys.tobytes())
+    return Snapshot(torch.default_generator.get_state(), cuda, random.getstate(), legacy)
+
+
+def moved(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
+    """The generators (as :data:`TORCH` ... name them) drawn from between two snapshots."""
+    drawn = []
+    if not torch.equal(before.torch, after.torch):
+        drawn.append(TORCH)
+    if before.cuda != after.cuda:
+        drawn.append(CUDA)
+    if before.python != after.python:
+        drawn.append(PYTHON)
+    if before.numpy is not None and after.numpy is not None and before.numpy != after.numpy:
+        drawn.append(NUMPY)
+    return tuple(drawn)
+
+
+class Trial:
+    """Samples fetched in parallel while it is not known whether they draw; judged after.
+
+    Invariants:
+        * Made (the global generators' states saved) in the pulling thread, after the
+          sampler drew the batch's indices and before any of its samples starts; judged
+          (:meth:`judge`) once every sample started under it returned, before any is handed
+          out. Meanwhile the loop waits for its batch (the pull is in step): a generator that
+          moved was moved by the samples (or by another thread: see the module).
+        * Judged as drawing, the generators are put back where they were saved and the watch
+          is told (``on_draws``): the caller fetches the samples again, one at a time, in
+          order, each when the loop asks for its batch, so they draw what the plain loop draws.
+        * Judged once; later calls give the same answer and put nothing back again.
+    """
+
+    def __init__(self, on_draws: Callable[[tuple[str, ...]], None]) -> None:
+        self.on_draws = on_draws
+        self.before = snapshot()
+        numpy: Any = sys.modules.get("numpy")
+        # Whole states to put back (the snapshot holds only what tells a draw).
+        self.numpy = None if numpy is None else numpy.random.get_state()
+        self.cuda = tuple(g.get_state() for g in _cuda_generators())
+        self.drew: tuple[str, ...] | None = None  # None: not judged yet
+
+    def judge(self) -> tuple[str, ...]:
+        """The generators the samples drew from (none: they drew nothing), put back if any."""
+        if self.drew is None:
+            self.drew = moved(self.before, snapshot())
+            if self.drew:
+                self._put_back()
+                self.on_draws(self.drew)
+        return self.drew
+
+    def _put_back(self) -> None:
+        torch.default_generator.set_state(self.before.torch)
+        random.setstate(self.before.python)
+        numpy: Any = sys.modules.get("numpy")
+        if numpy is not None and self.numpy is not None:
+            numpy.random.set_state(self.numpy)
+        generators = _cuda_generators()
+        if self.cuda:
+            for generator, state in zip(generators, self.cuda, strict=True):
+                generator.set_state(state)
+        else:  # CUDA started during the trial: where a fresh generator starts
+            for generator in generators:
+                generator.set_offset(0)
+
+
+def _cuda_generators() -> tuple[torch.Generator, ...]:
+    """torch.cuda's default generators, once CUDA is initialised (reading must not init it)."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return ()
+    return tuple(torch.cuda.default_generators)
