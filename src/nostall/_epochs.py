@@ -26,12 +26,7 @@ from ._drawn_orders import DrawnOrders
 from ._fabric import IterCount
 from ._global_draws import DrawWatch
 from ._pool import Pool
-from ._samplers import (
-    capture_rng,
-    epoch_marks,
-    forward_set_epoch,
-    sampler_epoch_of,
-)
+from ._samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from ._skip import skip_ahead
 from ._sources import Client, classify
 from ._threaded_stream import ThreadedStream
@@ -70,8 +65,7 @@ class EpochSource:
         *,
         transform: bool = False,
     ) -> None:
-        #: What the source is, holding the source (see :mod:`nostall._sources`): asked here,
-        #: not by the engine.
+        #: What the source is, and the source itself (:mod:`nostall._sources`).
         self.kind = classify(source)
         #: Whether the source draws from the global generators; pulled in step while it may.
         self.draws = DrawWatch(self.kind, threads=threads, transform=transform)
