@@ -257,3 +257,25 @@ def test_fabric_threads_draw_what_fabrics_worker_processes_draw(
         seen = [b.clone() for b in batches]
     warned = any("nostall" in str(w.message) for w in caught)
     assert warned or all(torch.equal(e, s) for e, s in zip(expected, seen, strict=True))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lightning's Trainer gives the loader its pl_worker_init_function through the "
+    "prefetcher (seed_everything(workers=True)), after nostall.prefetch(threads=) checked for "
+    "a worker_init_fn: the threads never call it and nothing warns, though the docs say "
+    "threads= warns when the loader has one",
+)
+def test_a_worker_init_fn_lightning_adds_after_prefetch_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("lightning")
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")  # what seed_everything(workers=True) exports
+    loader = DataLoader(Drawing(), batch_size=2)
+    batches = nostall.prefetch(loader, threads=2)
+    _auto_add_worker_init_fn(batches, 0)  # Lightning's data connector, given the train loader
+    assert loader.worker_init_fn is not None
+    with pytest.warns(UserWarning, match="worker_init_fn"):
+        list(batches)
