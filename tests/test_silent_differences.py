@@ -1,0 +1,281 @@
+"""Where a framework's loop over nostall differs from the same loop without it (open defects).
+
+Found by running users' loops twice, without nostall and with it, and comparing what the model
+received. Each test states what the plain loop gives; each is ``xfail(strict=True)`` until the
+difference is fixed (or turned into an error or a warning naming the fix).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+import torch
+from helpers import wait_until
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+import nostall
+
+ITEMS = 10  # batches of 3: 3, 3, 3 and 1
+BATCH = 3
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    """Items 0..9 in order; ``finished`` once an iteration ran to its end."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(ITEMS):
+            yield torch.tensor([float(i)])
+        self.finished = True
+
+
+# -- accelerate's DataLoaderDispatcher on one process ------------------------------------------
+
+
+@pytest.fixture
+def accelerate_state() -> Iterator[None]:
+    """A fresh accelerate: its Accelerator and GradientState are process-wide singletons."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def dispatcher(stream: Stream, stateful: bool) -> tuple[Any, Any]:
+    """An Accelerator and what its ``prepare`` makes of a loader over ``stream``.
+
+    On one process accelerate prepares a loader over an ``IterableDataset`` as a
+    ``DataLoaderDispatcher`` by default, as Trainer's does over a streaming train set.
+    """
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderDispatcher
+    from accelerate.utils import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(use_stateful_dataloader=stateful)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    loader = accelerator.prepare(DataLoader(stream, batch_size=BATCH))
+    assert isinstance(loader, DataLoaderDispatcher)
+    return accelerator, loader
+
+
+@pytest.mark.usefixtures("accelerate_state")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a single-process DataLoaderDispatcher (accelerate's default over an IterableDataset, "
+    "so Trainer with a streaming train set) has a state_dict() that raises AttributeError "
+    "('dl_state_dict') without use_stateful_dataloader; nostall calls it after every batch and "
+    "raises at the first one",
+)
+def test_a_dispatcher_over_a_stream_gives_its_batches() -> None:
+    _, loader = dispatcher(Stream(), stateful=False)
+    expected = [b.clone() for b in loader]
+    seen = [b.clone() for b in nostall.prefetch(loader)]
+    assert [b.tolist() for b in expected] == [b.tolist() for b in seen]
+
+
+@pytest.mark.usefixtures("accelerate_state")
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.xfail(
+    strict=True,
+    reason="nostall iterates a single-process DataLoaderDispatcher itself (no shadow, unlike a "
+    "DataLoaderShard), so the GradientState's end_of_dataloader turns True when the producer "
+    "reaches the end, batches early: accelerator.accumulate() then syncs and steps at the "
+    "wrong micro-batch, silently",
+)
+def test_a_stateful_dispatcher_keeps_the_end_of_the_data_for_its_last_batch() -> None:
+    stream = Stream()
+    accelerator, loader = dispatcher(stream, stateful=True)
+    with nostall.prefetch(loader) as prefetcher:
+        batches = iter(prefetcher)
+        next(batches), next(batches)  # 2 of 4: the plain dispatcher's end_of_dataloader is False
+        wait_until(lambda: stream.finished, "pulled to the stream's end by the producer")
+        # The dispatcher marks the end right after its source ended; a correct program never
+        # does before the last batch is handed out, and only waits.
+        deadline = time.monotonic() + 2.0
+        while not accelerator.gradient_state.end_of_dataloader and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not accelerator.gradient_state.end_of_dataloader
+        assert 2 == len(list(batches))
+
+
+# -- across_epochs: an epoch opened after the last one ------------------------------------------
+
+
+class Counted(Dataset[int]):
+    """Twenty numbers; counts the samples loaded."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> int:
+        self.loads += 1
+        return i
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with across_epochs=True, after the loop's last epoch the producer opens one more "
+    "epoch nobody asks for, drawing its shuffle and base seed from torch's global generator at "
+    "an unknown moment after the loop: what the code after training draws (sampling, an "
+    "evaluation, the next run of a sweep) changes, without a warning, though the step drew "
+    "nothing",
+)
+def test_nothing_is_drawn_from_the_global_generator_after_the_last_epoch() -> None:
+    torch.manual_seed(0)
+    for _ in range(2):
+        for _ in DataLoader(Counted(), batch_size=4, shuffle=True):
+            pass
+    expected = torch.get_rng_state()
+
+    torch.manual_seed(0)
+    dataset = Counted()
+    batches = nostall.prefetch(DataLoader(dataset, batch_size=4, shuffle=True), across_epochs=True)
+    for _ in range(2):
+        for _ in batches:
+            pass
+    after_the_loop = torch.get_rng_state()
+    # Long enough for the producer to load an epoch past the last on a busy machine; a correct
+    # program loads nothing more, and only waits.
+    deadline = time.monotonic() + 2.0
+    while dataset.loads <= 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    later = torch.get_rng_state()
+    batches.close()
+    assert torch.equal(expected, after_the_loop)
+    assert torch.equal(expected, later)
+
+
+# -- a mid-epoch resume over samples drawn from torch's global generator ---------------------------
+
+
+class NoisyRows(Dataset[torch.Tensor]):
+    """Row i is i plus a draw from torch's global generator (an augmentation, num_workers=0)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+class NoisyStream(IterableDataset[torch.Tensor]):
+    """The same rows as a stream."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(12):
+            yield torch.tensor([float(i)]) + torch.rand(1)
+
+
+@pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+@pytest.mark.parametrize("stream", [False, True], ids=["map-style", "iterable"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="resumed mid-epoch, with the checkpoint's torch RNG state restored, a source drawing "
+    "from torch's global generator (which nostall loads in step, warned, for exact draws) gets "
+    "other numbers than the uninterrupted run: the generator is set back to the checkpoint's "
+    "state after the first batch pulled, so a later batch repeats that batch's draws",
+)
+def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(stream: bool) -> None:
+    def loader() -> DataLoader[torch.Tensor]:
+        return DataLoader(NoisyStream() if stream else NoisyRows(), batch_size=3)
+
+    torch.manual_seed(0)
+    uninterrupted = nostall.prefetch(loader())
+    seen = []
+    for epoch in range(2):
+        for k, batch in enumerate(uninterrupted):
+            seen.append(batch.flatten().tolist())
+            if (epoch, k) == (1, 1):
+                state, rng = uninterrupted.state_dict(), torch.get_rng_state()
+    uninterrupted.close()
+
+    torch.manual_seed(99)  # a fresh process
+    resumed = nostall.prefetch(loader())
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)  # the training checkpoint restores it
+    rest = [batch.flatten().tolist() for batch in resumed]
+    resumed.close()
+    assert seen[6:] == rest
+
+
+# -- Lightning Fabric: the threads route under fabric.seed_everything ----------------------------
+
+
+class Drawing(IterableDataset[torch.Tensor]):
+    """A shard reader split by worker, each item augmented from the loading worker's generator."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        generator = torch.thread_safe_generator()  # None in a worker process: its global one
+        for i in range(worker, 8, workers):
+            yield torch.rand(2, generator=generator) + i
+
+
+@pytest.mark.filterwarnings("ignore:The dataloader, .*, does not have many workers")
+@pytest.mark.xfail(
+    strict=True,
+    reason="fabric.seed_everything() (workers=True by default in Fabric) has setup_dataloaders "
+    "give the loader Lightning's pl_worker_init_function, which reseeds each worker process; "
+    "docs/clients/fabric.md's threads route passes the plain DataLoader, so its threads draw "
+    "from base_seed + i: other augmentations than Fabric's loader with num_workers=N, "
+    "without a warning",
+)
+def test_fabric_threads_draw_what_fabrics_worker_processes_draw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("lightning")
+    from lightning.fabric import Fabric
+
+    # seed_everything exports these; monkeypatch puts them back as they were after the test.
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.seed_everything(0, verbose=False)
+    loader = DataLoader(Drawing(), batch_size=2, num_workers=2)
+    torch.manual_seed(0)  # the epoch's base seed comes from torch's global generator
+    fabric_loader = cast("DataLoader[torch.Tensor]", fabric.setup_dataloaders(loader))
+    expected = [b.clone() for b in fabric_loader]
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = nostall.prefetch(DataLoader(Drawing(), batch_size=2), fabric.device, threads=2)
+        seen = [b.clone() for b in batches]
+    warned = any("nostall" in str(w.message) for w in caught)
+    assert warned or all(torch.equal(e, s) for e, s in zip(expected, seen, strict=True))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lightning's Trainer gives the loader its pl_worker_init_function through the "
+    "prefetcher (seed_everything(workers=True)), after nostall.prefetch(threads=) checked for "
+    "a worker_init_fn: the threads never call it and nothing warns, though the docs say "
+    "threads= warns when the loader has one",
+)
+def test_a_worker_init_fn_lightning_adds_after_prefetch_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("lightning")
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")  # what seed_everything(workers=True) exports
+    loader = DataLoader(Drawing(), batch_size=2)
+    batches = nostall.prefetch(loader, threads=2)
+    _auto_add_worker_init_fn(batches, 0)  # Lightning's data connector, given the train loader
+    assert loader.worker_init_fn is not None
+    with pytest.warns(UserWarning, match="worker_init_fn"):
+        list(batches)
