@@ -37,7 +37,7 @@ from ._exit import track
 from ._lineage import Lineage
 from ._producer import Puller
 from ._producer_thread import produce
-from ._source_checks import describe, warn_if_hidden_from_framework
+from ._source_checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
 from ._staging_cuda import CudaStaging
 from ._warn import warn
 
@@ -279,6 +279,7 @@ class PrefetchIterator(Iterator[T]):
             warn_if_hidden_from_framework(epochs.source, epochs.kind, self._settings.shard)
         ahead = lineage.take_ahead()
         if ahead is not None:
+            warn_drawn_ahead(lineage.epochs.kind)
             self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
             return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout

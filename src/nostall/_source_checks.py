@@ -8,6 +8,7 @@ where a resume cannot be exact. Nothing here changes what is loaded.
 from __future__ import annotations
 
 import torch
+from torch.utils.data import RandomSampler
 
 from ._accelerate import accelerate_is_active
 from ._samplers import has_unreadable_set_epoch
@@ -130,3 +131,30 @@ def warn_inexact_stateful_resume(
             f"state_dict()/load_state_dict()",
             UserWarning,
         )
+
+
+def warn_drawn_ahead(kind: SourceKind) -> None:
+    """An epoch opened ahead, in the producer thread, drew from torch's global generator.
+
+    A DataLoader draws its workers' base seed at every ``iter()`` from its ``generator=``, or
+    from torch's global generator without one, and a ``RandomSampler`` without a generator of
+    its own draws its order there too. A plain loop draws them at its ``iter()``; opened ahead
+    (``across_epochs=True``) they are drawn at a moment that depends on the threads.
+    """
+    loader = kind.inner
+    if loader is None:
+        return
+    samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+    unseeded = [s for s in samplers if isinstance(s, RandomSampler) and s.generator is None]
+    if loader.generator is not None and not unseeded:
+        return
+    warn(
+        f"nostall: across_epochs=True opened this epoch ahead, in its background thread, and "
+        f"{describe(kind.source)} drew its order and its workers' base seed from torch's "
+        f"global generator there, at a moment that depends on the threads: what your loop "
+        f"draws from that generator around the epoch's end (dropout, augmentations, the code "
+        f"after the last epoch) no longer matches a plain loop. Pass "
+        f"generator=torch.Generator().manual_seed(seed) to the DataLoader (and to a "
+        f"RandomSampler you build) to keep its draws apart",
+        UserWarning,
+    )
