@@ -147,3 +147,15 @@ def test_threads_reads_a_stream_with_threads_and_workers() -> None:
     assert 0 == done.returncode, done.stderr
     assert "nostall 2 threads" in done.stdout
     assert "DataLoader num_workers=2" in done.stdout
+
+
+def test_launch_pacing_measures_the_launch_slowdown_of_a_way() -> None:
+    """GIL-free samples through threads=: a line per epoch, then the medians."""
+    done = run(
+        "launch_pacing.py",
+        *("--sleep-ms", "1", "--batches", "3", "--batch-size", "2", "--epochs", "1"),
+        *("--device-ms", "5", "--launch-ops", "10"),
+    )
+    assert 0 == done.returncode, done.stderr
+    assert "epoch 0: launch alone" in done.stdout
+    assert "threads 2, device 5 ms" in done.stdout
