@@ -245,14 +245,6 @@ class Drawing(IterableDataset[torch.Tensor]):
 
 
 @pytest.mark.filterwarnings("ignore:The dataloader, .*, does not have many workers")
-@pytest.mark.xfail(
-    strict=True,
-    reason="fabric.seed_everything() (workers=True by default in Fabric) has setup_dataloaders "
-    "give the loader Lightning's pl_worker_init_function, which reseeds each worker process; "
-    "docs/clients/fabric.md's threads route passes the plain DataLoader, so its threads draw "
-    "from base_seed + i: other augmentations than Fabric's loader with num_workers=N, "
-    "without a warning",
-)
 def test_fabric_threads_draw_what_fabrics_worker_processes_draw(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -278,13 +270,6 @@ def test_fabric_threads_draw_what_fabrics_worker_processes_draw(
     assert warned or all(torch.equal(e, s) for e, s in zip(expected, seen, strict=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Lightning's Trainer gives the loader its pl_worker_init_function through the "
-    "prefetcher (seed_everything(workers=True)), after nostall.prefetch(threads=) checked for "
-    "a worker_init_fn: the threads never call it and nothing warns, though the docs say "
-    "threads= warns when the loader has one",
-)
 def test_a_worker_init_fn_lightning_adds_after_prefetch_is_warned_of(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -29,6 +29,7 @@ from ._pool import Pool
 from ._samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from ._skip import skip_ahead
 from ._sources import Client, classify
+from ._threadable import warn_unseeded_threads
 from ._threaded_stream import ThreadedStream
 from ._threads import ThreadedEpoch
 from ._torch_compat import live_iterator
@@ -75,6 +76,8 @@ class EpochSource:
         #: Batches a threaded epoch may start ahead: the current channel's free slots.
         self.room: Callable[[], int] = lambda: 0
         self.across_epochs = across_epochs
+        #: The loader's ``worker_init_fn`` as given (see :func:`warn_unseeded_threads`).
+        self.worker_init = getattr(self.kind.inner, "worker_init_fn", None)
         #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
         mirror = self.mirror = ShardMirror(source) if self.kind.accelerate_shard else None
         if mirror is not None and self.pool is not None:
@@ -131,6 +134,7 @@ class EpochSource:
         if self.pool is None or self.mirror is not None:
             return iter(loader)
         draws = self.draws
+        warn_unseeded_threads(loader, self.pool.size, self.worker_init)
         if not self.kind.map_style:
             return ThreadedStream(loader, self.pool, inline=lambda: draws.in_step)
         return ThreadedEpoch(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ._accelerate import unthreadable_shard
 from ._fabric import threads_refusal
@@ -105,13 +106,39 @@ def check_threadable(source: object, threads: object) -> int | None:
             f"threads do its loading{trainer}), or leave threads out to keep the processes"
         )
     if loader.worker_init_fn is not None and not is_trainer_seed_worker(loader.worker_init_fn):
+        _warn_uncalled(loader.worker_init_fn, threads)
+    return threads
+
+
+def warn_unseeded_threads(loader: Any, threads: int, seen: object) -> None:
+    """At an epoch's start under ``threads=``: worker seeding the threads do not do.
+
+    ``seen``: the ``worker_init_fn`` the loader had at ``prefetch()`` (warned of there). One set
+    since (Lightning's Trainer gives the loader its own through the prefetcher) is not called
+    either; nor is the one Lightning Fabric's ``setup_dataloaders`` would give (the threads
+    load the plain loader): ``seed_everything(workers=True)`` exports ``PL_SEED_WORKERS=1``.
+    """
+    init = loader.worker_init_fn
+    if init is not None and init is not seen and not is_trainer_seed_worker(init):
+        _warn_uncalled(init, threads)
+    elif init is None and os.environ.get("PL_SEED_WORKERS") == "1":
         warn(
-            f"nostall.prefetch(threads={threads}): this DataLoader's worker_init_fn "
-            f"({getattr(loader.worker_init_fn, '__qualname__', loader.worker_init_fn)!r}) is not "
-            f"called: loading threads are not worker processes, and they share one dataset "
-            f"object. If it opens a file or seeds a generator per worker, do that on first use in "
-            f"each thread instead (threading.local(), get_worker_info().id), or draw from "
-            f"torch.thread_safe_generator(); leave threads out to keep worker processes",
+            f"nostall.prefetch(threads={threads}): Lightning's seed_everything(workers=True) "
+            f"reseeds each worker process of a loader Fabric or the Trainer set up; loading "
+            f"threads are not reseeded so, and draw from their own seeds: what your dataset "
+            f"draws differs from num_workers={threads}. Pass workers=False to "
+            f"seed_everything, or leave threads out to keep worker processes",
             UserWarning,
         )
-    return threads
+
+
+def _warn_uncalled(init: object, threads: int) -> None:
+    warn(
+        f"nostall.prefetch(threads={threads}): this DataLoader's worker_init_fn "
+        f"({getattr(init, '__qualname__', init)!r}) is not "
+        f"called: loading threads are not worker processes, and they share one dataset "
+        f"object. If it opens a file or seeds a generator per worker, do that on first use in "
+        f"each thread instead (threading.local(), get_worker_info().id), or draw from "
+        f"torch.thread_safe_generator(); leave threads out to keep worker processes",
+        UserWarning,
+    )
