@@ -75,8 +75,8 @@ class EpochSource:
         #: Batches a threaded epoch may start ahead: the current channel's free slots.
         self.room: Callable[[], int] = lambda: 0
         self.across_epochs = across_epochs
-        #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
-        mirror = self.mirror = ShardMirror(source) if self.kind.accelerate_shard else None
+        #: With accelerate: iterate the prepared loader's shadow, replay its effects at hand-out.
+        mirror = self.mirror = ShardMirror(source) if self.kind.mirrored else None
         if mirror is not None and self.pool is not None:
             pool, draws = self.pool, self.draws  # the shard's DataLoader, inside its iteration
             mirror.load_with(
