@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from helpers import run_torchrun
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import nostall
 
@@ -744,3 +745,26 @@ def test_a_dispatcher_resumes_by_replay(k: int) -> None:
         batches.load_state_dict(state)
         resumed, _, _ = train(run, batches)
     assert epoch_indices(uninterrupted[k:]) == epoch_indices(resumed)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    """Six numbers in order, without ``set_epoch``."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor([float(i)]) for i in range(6))
+
+
+def test_a_dispatcher_without_an_epoch_to_set_is_not_warned_of() -> None:
+    """A dispatcher's own ``set_epoch`` only passes the epoch on (here, to nothing).
+
+    So across epochs it is not "an object that keeps no readable epoch": nostall asks what it
+    passes the epoch on to, as for a shard.
+    """
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(Stream(), batch_size=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nostall.prefetch(loader, across_epochs=True) as batches:
+            epochs = [[b.flatten().tolist() for b in batches] for _ in range(2)]
+    assert [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]] * 2 == epochs
+    assert [] == [str(w.message) for w in caught if "nostall" in str(w.message)]
