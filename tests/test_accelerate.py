@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from helpers import run_torchrun
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import nostall
 
@@ -673,3 +674,97 @@ def test_a_dispatcher_in_a_distributed_run_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_source_checks, "distributed_world", lambda: (0, 2))
     with pytest.raises(ValueError, match=r"dispatch_batches=False"):
         nostall.prefetch(dispatcher, "cpu")
+
+
+# -- a DataLoaderDispatcher on one process ---------------------------------------------------------
+
+
+def dispatching(stateful: bool = False) -> Run:
+    """A prepared loader that is a ``DataLoaderDispatcher`` (``dispatch_batches=True``).
+
+    accelerate makes one by default over an ``IterableDataset`` (Trainer with a streaming
+    train set); it moves the gradient state as it is iterated, as a shard does.
+    """
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    config = DataLoaderConfiguration(dispatch_batches=True, use_stateful_dataloader=stateful)
+    run = build(config=config)
+    assert isinstance(run.loader, DataLoaderDispatcher)
+    return run
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["plain", "stateful"])
+@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
+def test_a_dispatcher_steps_as_plain_accelerate(across: bool, stateful: bool) -> None:
+    """Same samples, syncs, end flags, remainders and epochs at each step; same weights."""
+    run = dispatching(stateful)
+    expected_steps, expected_ends, expected_weights = train(run, run.loader)
+    last = [False] * (BATCHES - 1) + [True]  # the plain dispatcher flags each epoch's last
+    assert last * EPOCHS == [s.end_of_dataloader for s in expected_steps]
+
+    run = dispatching(stateful)
+    with nostall.prefetch(run.loader, depth=4, across_epochs=across) as batches:
+        steps, ends, weights = train(run, batches)
+    assert expected_steps == steps
+    assert expected_ends == ends
+    assert_same_weights(expected_weights, weights)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_stateful_dispatcher_states_the_batches_handed_out(tmp_path: Path, k: int) -> None:
+    """Its ``state_dict()`` (what ``save_state`` saves) is the plain loop's after k batches."""
+    run = dispatching(stateful=True)
+    own = iter(run.loader)
+    for _ in range(k):
+        next(own)
+    expected_state = run.loader.state_dict()
+    del own
+
+    run = dispatching(stateful=True)
+    with nostall.prefetch(run.loader, depth=4) as batches:
+        ours = iter(batches)
+        for _ in range(k):
+            next(ours)
+        let_it_run_ahead(run, k + 4)
+        assert expected_state == run.loader.state_dict()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_dispatcher_resumes_by_replay(k: int) -> None:
+    """Without ``use_stateful_dataloader`` its ``state_dict()`` raises: nostall never asks it.
+
+    nostall's own state after k batches resumes the rest of the epoch, then the next one, as
+    the uninterrupted run trains them.
+    """
+    run = dispatching()
+    uninterrupted, _, _ = train(run, run.loader)
+
+    state = state_after(dispatching(), k)
+    run = dispatching()
+    with nostall.prefetch(run.loader) as batches:
+        batches.load_state_dict(state)
+        resumed, _, _ = train(run, batches)
+    assert epoch_indices(uninterrupted[k:]) == epoch_indices(resumed)
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    """Six numbers in order, without ``set_epoch``."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor([float(i)]) for i in range(6))
+
+
+def test_a_dispatcher_without_an_epoch_to_set_is_not_warned_of() -> None:
+    """A dispatcher's own ``set_epoch`` only passes the epoch on (here, to nothing).
+
+    So across epochs it is not "an object that keeps no readable epoch": nostall asks what it
+    passes the epoch on to, as for a shard.
+    """
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(Stream(), batch_size=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nostall.prefetch(loader, across_epochs=True) as batches:
+            epochs = [[b.flatten().tolist() for b in batches] for _ in range(2)]
+    assert [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]] * 2 == epochs
+    assert [] == [str(w.message) for w in caught if "nostall" in str(w.message)]

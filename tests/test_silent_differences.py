@@ -69,14 +69,8 @@ def dispatcher(stream: Stream, stateful: bool) -> tuple[Any, Any]:
 
 
 @pytest.mark.usefixtures("accelerate_state")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a single-process DataLoaderDispatcher (accelerate's default over an IterableDataset, "
-    "so Trainer with a streaming train set) has a state_dict() that raises AttributeError "
-    "('dl_state_dict') without use_stateful_dataloader; nostall calls it after every batch and "
-    "raises at the first one",
-)
 def test_a_dispatcher_over_a_stream_gives_its_batches() -> None:
+    """Without use_stateful_dataloader its state_dict() raises: nostall must never call it."""
     _, loader = dispatcher(Stream(), stateful=False)
     expected = [b.clone() for b in loader]
     seen = [b.clone() for b in nostall.prefetch(loader)]
@@ -85,14 +79,11 @@ def test_a_dispatcher_over_a_stream_gives_its_batches() -> None:
 
 @pytest.mark.usefixtures("accelerate_state")
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-@pytest.mark.xfail(
-    strict=True,
-    reason="nostall iterates a single-process DataLoaderDispatcher itself (no shadow, unlike a "
-    "DataLoaderShard), so the GradientState's end_of_dataloader turns True when the producer "
-    "reaches the end, batches early: accelerator.accumulate() then syncs and steps at the "
-    "wrong micro-batch, silently",
-)
 def test_a_stateful_dispatcher_keeps_the_end_of_the_data_for_its_last_batch() -> None:
+    """The producer's pulls move a shadow's end flag; the real one moves at hand-out.
+
+    Else accelerator.accumulate() would sync and step at the wrong micro-batch, silently.
+    """
     stream = Stream()
     accelerator, loader = dispatcher(stream, stateful=True)
     with nostall.prefetch(loader) as prefetcher:

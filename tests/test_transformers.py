@@ -45,6 +45,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     "timeout-across": ("prefetch", {"timeout": 60, "across_epochs": True}, 0),
     "timeout-workers": ("prefetch", {"timeout": 60}, 2),
 }
+#: Runs over a streaming train set (no length; Trainer counts steps): ``stream-plain`` is
+#: Trainer itself, the others the trainer class they name. accelerate prepares the stream as a
+#: ``DataLoaderDispatcher`` (``dispatch_batches`` defaults to True for an ``IterableDataset``).
+STREAMS = {
+    "stream-plain": "plain",
+    "stream-page": "PrefetchingTrainer",
+    "stream-default": "prefetch",
+}
 EPOCH_END = f"checkpoint-{run.STEPS_PER_EPOCH}"
 MID_EPOCH = f"checkpoint-{run.STEPS_PER_EPOCH + 1}"  # one step into the second epoch
 
@@ -78,6 +86,8 @@ def spec(name: str, out: Path, resume: str | None = None) -> Spec:
     """The run called ``name`` (``plain-N``: Trainer itself with N workers; else a variant)."""
     if name.startswith("plain-"):
         return Spec(str(out), workers=int(name.split("-")[1]), resume=resume)
+    if name in STREAMS:
+        return Spec(str(out), STREAMS[name], resume=resume, stream=True)
     trainer, options, workers = VARIANTS[name]
     return Spec(str(out), trainer, options, workers, resume)
 
@@ -130,6 +140,43 @@ def loaded_by_nostall(name: str, seen: Seen) -> bool:
     if workers_of(name):
         return [] == seen.loaded_by
     return ("nostall-load" if "threads" in name else "nostall-prefetch") in seen.loaded_by
+
+
+# -- a streaming train set: accelerate's DataLoaderDispatcher ----------------------------------
+
+
+@pytest.mark.parametrize("name", ["stream-page", "stream-default"])
+def test_a_streaming_train_set_trains_as_plain_trainer(runs: Runs, name: str) -> None:
+    """Over a stream Trainer trains on a dispatcher; nostall's steps and weights are Trainer's.
+
+    The dispatcher moves accelerate's gradient state as it is iterated, and has no
+    ``state_dict()`` without ``use_stateful_dataloader``: nostall iterates a shadow of it and
+    replays its state at hand-out, as for a ``DataLoaderShard``.
+    """
+    expected, expected_weights = runs["stream-plain"]
+    seen, weights = runs[name]
+    assert (None, None) == (expected.error, seen.error)
+    assert ("DataLoaderDispatcher",) * 2 == (expected.loader, seen.loader)
+    assert run.EPOCHS * run.STEPS_PER_EPOCH == len(seen.steps)
+    assert expected.steps == seen.steps
+    assert_same_weights(expected_weights, weights)
+    assert all("nostall-prefetch" in alive for alive in seen.threads[:4])
+    assert "nostall-prefetch" in seen.loaded_by
+
+
+def test_a_streaming_train_set_resumes_mid_epoch(runs: Runs) -> None:
+    """From a checkpoint inside the second epoch: as Trainer itself resumes a stream.
+
+    Trainer skips the epoch's first batches with accelerate's ``skip_first_batches`` of the
+    dispatcher (a new dispatcher with ``skip_batches``), which nostall routes and prefetches.
+    """
+    expected, expected_weights = runs.resumed("stream-plain", MID_EPOCH)
+    seen, weights = runs.resumed("stream-page", MID_EPOCH)
+    assert (None, None) == (expected.error, seen.error)
+    assert [] != expected.steps
+    assert expected.steps == seen.steps
+    assert_same_weights(expected_weights, weights)
+    assert "nostall-prefetch" in seen.threads[0], "not prefetched after the resume"
 
 
 # -- uninterrupted ---------------------------------------------------------------------------------

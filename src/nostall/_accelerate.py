@@ -9,8 +9,13 @@ unregisters it, and a stateful shard keeps ``dl_state_dict``. A prefetcher that 
 shard itself would fire them all up to ``depth`` batches early: ``sync_gradients`` would turn
 True at the wrong step.
 
-So nostall iterates a *shadow*: a second ``DataLoaderShard`` object sharing the real one's
-loader, sampler and settings, whose gradient state is a private stand-in. What the shadow's
+On one process, a ``DataLoaderDispatcher`` (accelerate's default over an ``IterableDataset``,
+so Trainer's over a streaming train set) has the same effects, set at the same points of its
+iteration, and is mirrored the same way. In a distributed run it is refused instead
+(:func:`nostall._source_checks.refuse_unsupported`): each of its batches is a collective call.
+
+So nostall iterates a *shadow*: a second object of the prepared loader's type sharing the real
+one's loader, sampler and settings, whose gradient state is a private stand-in. What the shadow's
 iteration did is recorded with each batch (:meth:`ShardMirror.after_pull`, producer side) and
 applied to the real shard when that batch is handed out (:meth:`ShardMirror.hand_out`, consumer
 side), in the order and at the steps plain accelerate would have applied it.
@@ -171,7 +176,10 @@ class _LoadedWith:
 
 
 class ShardMirror:
-    """Iterates a shadow of a ``DataLoaderShard`` and replays its effects on the real one.
+    """Iterates a shadow of a prepared loader and replays its effects on the real one.
+
+    The loader is a ``DataLoaderShard``, or a ``DataLoaderDispatcher`` on one process. Its
+    ``dl_state_dict`` is read only where it keeps one (``use_stateful_dataloader=True``).
 
     Invariants:
         * Only the producer side (whichever thread pulls) iterates the shadow; only the

@@ -78,8 +78,8 @@ class EpochSource:
         self.across_epochs = across_epochs
         #: The loader's ``worker_init_fn`` as given (see :func:`warn_unseeded_threads`).
         self.worker_init = getattr(self.kind.inner, "worker_init_fn", None)
-        #: With accelerate: iterate the shard's shadow, replay its effects at hand-out.
-        mirror = self.mirror = ShardMirror(source) if self.kind.accelerate_shard else None
+        #: With accelerate: iterate the prepared loader's shadow, replay its effects at hand-out.
+        mirror = self.mirror = ShardMirror(source) if self.kind.mirrored else None
         if mirror is not None and self.pool is not None:
             pool, draws = self.pool, self.draws  # the shard's DataLoader, inside its iteration
             mirror.load_with(

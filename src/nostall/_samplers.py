@@ -99,8 +99,8 @@ def readable_epoch(source: object) -> int | None:
 def has_unreadable_set_epoch(source: object) -> bool:
     """True when ``set_epoch`` reaches an object that keeps no readable ``epoch`` attribute."""
     targets = set_epoch_targets(source)
-    if classify(source).accelerate_shard:
-        targets = targets[1:]  # accelerate's shard only passes set_epoch on to these
+    if classify(source).mirrored:
+        targets = targets[1:]  # accelerate's loaders only pass set_epoch on to these
     return not epoch_marks(source) and any(callable(getattr(t, "set_epoch", None)) for t in targets)
 
 

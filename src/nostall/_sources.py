@@ -85,7 +85,8 @@ class SourceKind:
     iterable_dataset: bool
     #: accelerate's ``DataLoaderShard``: iterated through a shadow (``ShardMirror``).
     accelerate_shard: bool
-    #: accelerate's ``DataLoaderDispatcher``: rank 0 loads, each batch a collective call.
+    #: accelerate's ``DataLoaderDispatcher``: rank 0 loads, each batch a collective call (so
+    #: refused in a distributed run); on one process, iterated through a shadow as a shard is.
     accelerate_dispatcher: bool
     #: The loader's dataset is a torchdata ``IterDataPipe`` (seeded and sharded by torch's
     #: own iterator, which threads would bypass).
@@ -105,6 +106,15 @@ class SourceKind:
     def restarts_workers(self) -> bool:
         """A loader whose worker processes are started anew at each epoch."""
         return self.workers > 0 and not self.persistent
+
+    @property
+    def mirrored(self) -> bool:
+        """accelerate's prepared loader, shard or dispatcher: iterated through a shadow.
+
+        Both move accelerate's ``GradientState`` (and keep ``dl_state_dict``) as they are
+        iterated, which must happen when a batch is handed out, not when it is pulled.
+        """
+        return self.accelerate_shard or self.accelerate_dispatcher
 
     @property
     def counted(self) -> bool:

@@ -6,8 +6,9 @@ docs/clients/trainer.md)::
     def get_train_dataloader(self):
         return nostall.prefetch(super().get_train_dataloader(), self.args.device)
 
-``super().get_train_dataloader()`` is accelerate's prepared loader, which nostall iterates
-through :class:`~nostall._accelerate.ShardMirror` (``threads=`` loads its samples). Two things
+``super().get_train_dataloader()`` is accelerate's prepared loader (a ``DataLoaderDispatcher``
+over a streaming train set), which nostall iterates through
+:class:`~nostall._accelerate.ShardMirror` (``threads=`` loads a shard's samples). Two things
 are Trainer's own:
 
 * A mid-epoch resume calls accelerate's ``skip_first_batches(train_dataloader, n)``, which

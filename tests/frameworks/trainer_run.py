@@ -20,13 +20,14 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -69,6 +70,27 @@ class Indexed(Dataset[dict[str, Any]]):
         return {"input_ids": torch.tensor(ids), "labels": i % 2, "index": i}
 
 
+class Stream(IterableDataset[dict[str, Any]]):
+    """The samples of :class:`Indexed` as a stream without a length (as HF streaming gives).
+
+    Each epoch yields them in an order drawn from its epoch (``set_epoch``, which accelerate's
+    loader passes on), so that a resume that gave the wrong epoch would show.
+    """
+
+    def __init__(self) -> None:
+        self.samples = Indexed()
+        self.loaded_by = self.samples.loaded_by
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(self.epoch))
+        for i in order.tolist():
+            yield self.samples[i]
+
+
 class Recorded(BertForSequenceClassification):  # type: ignore[no-untyped-call]
     """A 1-layer BERT whose forward records each micro-batch's indices (as users log batches)."""
 
@@ -90,9 +112,12 @@ class StepEnds(TrainerCallback):
     def __init__(self, model: Recorded) -> None:
         self.model = model
         self.ends: list[int] = []
+        self.loader: str | None = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ends.append(len(self.model.seen))
+        loader = kwargs.get("train_dataloader")
+        self.loader = type(getattr(loader, "source", loader)).__name__
 
 
 @dataclasses.dataclass
@@ -101,7 +126,8 @@ class Spec:
 
     ``trainer``: ``"plain"`` (transformers' Trainer), a class defined by the first python block
     of docs/clients/trainer.md, or ``"prefetch"``: a Trainer whose ``get_train_dataloader`` is
-    ``nostall.prefetch(super().get_train_dataloader(), **prefetch)``.
+    ``nostall.prefetch(super().get_train_dataloader(), **prefetch)``. ``stream``: train on
+    :class:`Stream` for as many steps (accelerate prepares it as a ``DataLoaderDispatcher``).
     """
 
     out: str
@@ -109,6 +135,7 @@ class Spec:
     prefetch: dict[str, Any] = dataclasses.field(default_factory=dict)
     workers: int = 0
     resume: str | None = None
+    stream: bool = False
 
 
 @dataclasses.dataclass
@@ -116,13 +143,15 @@ class Seen:
     """What a run trained on: micro-batch indices per optimizer step, and who loaded them.
 
     ``threads``: the nostall threads alive at each forward; ``loaded_by``: the threads of this
-    process that loaded samples (none with worker processes).
+    process that loaded samples (none with worker processes); ``loader``: the type of the
+    prepared loader trained on (behind the prefetcher, if any).
     """
 
     steps: list[list[list[int]]]
     threads: list[list[str]]
     loaded_by: list[str]
     error: str | None = None
+    loader: str | None = None
 
 
 def page_namespace() -> dict[str, Any]:
@@ -169,6 +198,8 @@ def train(spec: Spec) -> Seen:
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATE,
         num_train_epochs=EPOCHS,
+        # A stream has no length: Trainer counts its steps (which override the epochs).
+        max_steps=EPOCHS * STEPS_PER_EPOCH if spec.stream else -1,
         learning_rate=1e-2,
         save_strategy="steps",
         save_steps=SAVE_STEPS,
@@ -180,7 +211,7 @@ def train(spec: Spec) -> Seen:
         seed=SEED,
     )
     ends = StepEnds(model)
-    dataset = Indexed()
+    dataset = Stream() if spec.stream else Indexed()
     trainer = trainer_class(spec)(model=model, args=args, train_dataset=dataset, callbacks=[ends])
     error = None
     try:
@@ -190,7 +221,7 @@ def train(spec: Spec) -> Seen:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "weights.pt")
     starts = [0, *ends.ends]
     steps = [model.seen[a:b] for a, b in zip(starts, ends.ends, strict=False)]
-    return Seen(steps, model.threads, sorted(dataset.loaded_by), error)
+    return Seen(steps, model.threads, sorted(dataset.loaded_by), error, ends.loader)
 
 
 def main(paths: list[str]) -> None:
