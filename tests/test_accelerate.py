@@ -767,4 +767,6 @@ def test_a_dispatcher_without_an_epoch_to_set_is_not_warned_of() -> None:
         with nostall.prefetch(loader, across_epochs=True) as batches:
             epochs = [[b.flatten().tolist() for b in batches] for _ in range(2)]
     assert [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]] * 2 == epochs
-    assert [] == [str(w.message) for w in caught if "nostall" in str(w.message)]
+    # (Its unseeded loader's next epoch is drawn ahead from torch's global generator: that
+    # warning is another's, tested in test_silent_differences.)
+    assert [] == [str(w.message) for w in caught if "set_epoch" in str(w.message)]
