@@ -177,6 +177,10 @@ class DrawWatch:
         self.state = Watch.CLEAR if workers or inert or unwatched else Watch.WATCHING
         self.in_step = self.state is Watch.WATCHING
         self.judged = 0
+        #: An epoch's first batch was pulled when it was opened (a resumed epoch's, for its
+        #: sampler's start to draw from the recorded state): the pull that hands it over pulls
+        #: nothing, so it is not judged (it would read as a batch that drew nothing).
+        self.taken_ahead = False
         self.drew: tuple[str, ...] = ()
         self._reported = False
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
@@ -187,9 +191,10 @@ class DrawWatch:
         """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
 
         An epoch's first pull is judged too where the source's start is known to draw
-        nothing (:func:`_quiet_start`).
+        nothing (:func:`_quiet_start`), unless its batch was ``taken_ahead``.
         """
-        if (first and not self.first_judged) or self.state is not Watch.WATCHING:
+        taken_ahead, self.taken_ahead = self.taken_ahead, False
+        if (first and (taken_ahead or not self.first_judged)) or self.state is not Watch.WATCHING:
             return pull()
         before = snapshot()
         message = pull()
