@@ -60,10 +60,10 @@ def test_a_resumed_run_draws_what_the_uninterrupted_one_drew(
         shuffle = kind.startswith("shuffled")
         return DataLoader(Rows(), batch_size=3, shuffle=shuffle, generator=generator)
 
-    threads = {"threads": 2} if kind == "threads" else {}
+    threads = 2 if kind == "threads" else None
     torch.manual_seed(0)
     random.seed(0)
-    uninterrupted = nostall.prefetch(loader(), **threads)
+    uninterrupted = nostall.prefetch(loader(), threads=threads)
     seen = []
     for step in steps(uninterrupted, range(3)):
         seen.append(step)
@@ -77,7 +77,7 @@ def test_a_resumed_run_draws_what_the_uninterrupted_one_drew(
 
     torch.manual_seed(99)  # a fresh process
     random.seed(99)
-    resumed = nostall.prefetch(loader(), **threads)
+    resumed = nostall.prefetch(loader(), threads=threads)
     if not restore_first:
         resumed.load_state_dict(state)
     torch.set_rng_state(rng)
