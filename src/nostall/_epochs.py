@@ -28,7 +28,7 @@ from ._generators import HandBack, Saved
 from ._global_draws import DrawWatch
 from ._pool import Pool
 from ._samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
-from ._skip import skip_ahead
+from ._skip import TakenAhead, skip_ahead
 from ._sources import Client, classify
 from ._threaded_stream import ThreadedStream
 from ._threads import ThreadedEpoch
@@ -329,9 +329,9 @@ class EpochSource:
                 it = skip_ahead(self.iterable, skipped, self._iterate, back)
             # Pull the first batch now: a sampler may draw its order lazily at its first item
             # (where batches were skipped, the skip gave the generators back right after it).
-            first, self.draws.taken_ahead = list(itertools.islice(it, 1)), True
+            first = list(itertools.islice(it, 1))
             drew = back.drew if skipped else not torch.equal(torch.get_rng_state(), rng["torch"])
-            return itertools.chain(first, it), drew
+            return TakenAhead(first, it), drew
         finally:
             if skipped:
                 back()

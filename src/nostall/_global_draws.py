@@ -177,24 +177,20 @@ class DrawWatch:
         self.state = Watch.CLEAR if workers or inert or unwatched else Watch.WATCHING
         self.in_step = self.state is Watch.WATCHING
         self.judged = 0
-        #: An epoch's first batch was pulled when it was opened (a resumed epoch's, for its
-        #: sampler's start to draw from the recorded state): the pull that hands it over pulls
-        #: nothing, so it is not judged (it would read as a batch that drew nothing).
-        self.taken_ahead = False
         self.drew: tuple[str, ...] = ()
         self._reported = False
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
         #: in it (then prefetching starts after the very first batch, as without the watch).
         self.first_judged = _quiet_start(kind)
 
-    def pull(self, pull: Callable[[], M], *, first: bool) -> M:
+    def pull(self, pull: Callable[[], M], *, first: bool, ahead: bool = False) -> M:
         """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
 
         An epoch's first pull is judged too where the source's start is known to draw
-        nothing (:func:`_quiet_start`), unless its batch was ``taken_ahead``.
+        nothing (:func:`_quiet_start`), unless its batch was pulled ``ahead``, when the epoch
+        was opened (a resumed one: see ``TakenAhead``): then this pull pulls nothing to judge.
         """
-        taken_ahead, self.taken_ahead = self.taken_ahead, False
-        if (first and (taken_ahead or not self.first_judged)) or self.state is not Watch.WATCHING:
+        if (first and (ahead or not self.first_judged)) or self.state is not Watch.WATCHING:
             return pull()
         before = snapshot()
         message = pull()

@@ -39,6 +39,23 @@ class _SkipFirst:
         return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
 
 
+class TakenAhead:
+    """An epoch's iterator whose first batch (``first``) was pulled when it was opened.
+
+    Handing that batch over pulls nothing from the source, so the pull that does is not
+    judged for draws (see ``DrawWatch.pull``).
+    """
+
+    def __init__(self, first: list[Any], rest: Iterator[Any]) -> None:
+        self.items = itertools.chain(first, rest)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.items)
+
+
 def skip_ahead(
     source: Iterable[Any],
     count: int,
