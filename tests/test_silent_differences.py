@@ -191,13 +191,6 @@ class NoisyStream(IterableDataset[torch.Tensor]):
 
 @pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
 @pytest.mark.parametrize("stream", [False, True], ids=["map-style", "iterable"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="resumed mid-epoch, with the checkpoint's torch RNG state restored, a source drawing "
-    "from torch's global generator (which nostall loads in step, warned, for exact draws) gets "
-    "other numbers than the uninterrupted run: the generator is set back to the checkpoint's "
-    "state after the first batch pulled, so a later batch repeats that batch's draws",
-)
 def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(stream: bool) -> None:
     def loader() -> DataLoader[torch.Tensor]:
         return DataLoader(NoisyStream() if stream else NoisyRows(), batch_size=3)

@@ -24,10 +24,11 @@ import torch
 from ._accelerate import ShardMirror
 from ._drawn_orders import DrawnOrders
 from ._fabric import IterCount
+from ._generators import HandBack, Saved
 from ._global_draws import DrawWatch
 from ._pool import Pool
 from ._samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
-from ._skip import skip_ahead
+from ._skip import TakenAhead, skip_ahead
 from ._sources import Client, classify
 from ._threadable import warn_unseeded_threads
 from ._threaded_stream import ThreadedStream
@@ -293,8 +294,9 @@ class EpochSource:
         before = sampler_epoch_of(self.source)
         if end_of["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, end_of["sampler_epoch"])
-        for _ in self._replay(epoch, end_of, end_of["batches"])[0]:
-            pass
+        user = Saved()  # asking drew before the state was saved: the user's generators back
+        list(self._replay(epoch, end_of, end_of["batches"])[0])  # all skipped: the end is left
+        user.put_back()
         if before is not None:
             forward_set_epoch(self.iterable, before)  # as set for the epoch opening now
 
@@ -303,42 +305,44 @@ class EpochSource:
     ) -> tuple[Iterator[Any], bool]:
         """Draw the epoch's order again from ``rng`` and skip the first ``skipped`` batches.
 
-        Returns the iterator, and whether drawing the order (and the first batch) drew from
-        torch's global generator.
+        Returns the iterator, and whether drawing the order drew from torch's generator. The
+        order and the skipped batches draw from ``rng``, as before the state was saved; then
+        the global generators are put back as the user's loop has them (its checkpoint's), for
+        the batches after those to draw from, as uninterrupted.
         """
         rng = replay["rng"]
-        user_rng = torch.get_rng_state()
+        back, drew = HandBack(rng["torch"]), False  # back(): once the order and skips drew
         if self.count is not None:
             self.count.restore(replay)
         self.orders.opened(epoch, self.source, rng, fresh_iterator=replay["fresh_iterator"])
-        drew = False
         try:
             fresh = live_iterator(self.source) is None
             if self.kind.persistent and not replay["fresh_iterator"] and fresh:
                 # A fresh persistent loader's first iter() also draws its workers' base seed,
-                # which the uninterrupted run drew in an earlier epoch: create it, then draw
-                # the order again from the restored state by resetting it with a second iter().
-                # (Once it exists, as after a replayed end, one iter() resets it, as there.)
+                # drawn in an earlier epoch uninterrupted: create it, then draw the order again
+                # from the restored state by resetting it with a second iter() (once it exists,
+                # as after a replayed end, one iter() resets it, as there).
                 iter(self.source)
                 self.orders.restore(self.source, rng)
                 it = iter(self.source)
                 for _ in itertools.islice(it, skipped):
                     pass
+                if skipped:
+                    back()
             else:
-                it = skip_ahead(self.iterable, skipped, self._iterate)
-            # Pull the first batch now: a sampler may draw its order lazily at its first item,
-            # and that draw must see the restored state too.
+                it = skip_ahead(self.iterable, skipped, self._iterate, back)
+            # Pull the first batch now: a sampler may draw its order lazily at its first item
+            # (where batches were skipped, the skip gave the generators back right after it).
             first = list(itertools.islice(it, 1))
-            drew = not torch.equal(torch.get_rng_state(), rng["torch"])
-            return itertools.chain(first, it), drew
+            drew = back.drew if skipped else not torch.equal(torch.get_rng_state(), rng["torch"])
+            return TakenAhead(first, it), drew
         finally:
-            if skipped or not drew:
-                # The draws for this epoch happened before the state was saved, so the global
-                # generator goes back to what the user's own checkpoint restored. At an epoch's
-                # start they happen after it, and the generator stays where they leave it; where
-                # there were none, it is the user's (the state's may be older: across epochs
-                # the end of the epoch before is recorded as the producer pulled it).
-                torch.set_rng_state(user_rng)
+            if skipped:
+                back()
+            elif not drew:
+                # At an epoch's start the order drew after the state was saved: left there. Else
+                # the user's (the state's may be older: an epoch's end is recorded as pulled).
+                torch.set_rng_state(back.before.torch)
 
     def batch_state(self, epoch: int) -> Any:
         """What a state saved right after this batch needs (called where the batch was pulled)."""

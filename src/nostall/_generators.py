@@ -65,7 +65,54 @@ def moved(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
     return tuple(drawn)
 
 
-class Trial:
+class Saved:
+    """The global generators' whole states at a moment (made), to set them back to.
+
+    Invariant: :meth:`put_back` leaves each generator as it was when this was made (torch.cuda's
+    where a fresh one starts, if CUDA started since), whatever was drawn in between.
+    """
+
+    def __init__(self) -> None:
+        self.before = snapshot()
+        numpy: Any = sys.modules.get("numpy")
+        # Whole states to put back (the snapshot holds only what tells a draw).
+        self.numpy = None if numpy is None else numpy.random.get_state()
+        self.cuda = tuple(g.get_state() for g in _cuda_generators())
+
+    def put_back(self) -> None:
+        """Set every global generator back to its state when this was made."""
+        torch.default_generator.set_state(self.before.torch)
+        random.setstate(self.before.python)
+        numpy: Any = sys.modules.get("numpy")
+        if numpy is not None and self.numpy is not None:
+            numpy.random.set_state(self.numpy)
+        generators = _cuda_generators()
+        if self.cuda:
+            for generator, state in zip(generators, self.cuda, strict=True):
+                generator.set_state(state)
+        else:  # CUDA started since: where a fresh generator starts
+            for generator in generators:
+                generator.set_offset(0)
+
+
+class HandBack(Saved):
+    """The user's generators, saved to be given back once (calling it) after nostall drew.
+
+    Invariant: after the first call every global generator is as when this was made, and
+    ``drew`` says whether torch's had moved from ``since`` by then; later calls do nothing.
+    """
+
+    def __init__(self, since: torch.Tensor) -> None:
+        super().__init__()
+        self.since, self.done, self.drew = since, False, False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done, self.drew = True, not torch.equal(torch.get_rng_state(), self.since)
+            self.put_back()
+
+
+class Trial(Saved):
     """Samples fetched in parallel while it is not known whether they draw; judged after.
 
     Invariants:
@@ -81,12 +128,8 @@ class Trial:
     """
 
     def __init__(self, on_draws: Callable[[tuple[str, ...]], None]) -> None:
+        super().__init__()
         self.on_draws = on_draws
-        self.before = snapshot()
-        numpy: Any = sys.modules.get("numpy")
-        # Whole states to put back (the snapshot holds only what tells a draw).
-        self.numpy = None if numpy is None else numpy.random.get_state()
-        self.cuda = tuple(g.get_state() for g in _cuda_generators())
         self.drew: tuple[str, ...] | None = None  # None: not judged yet
 
     def judge(self) -> tuple[str, ...]:
@@ -94,23 +137,9 @@ class Trial:
         if self.drew is None:
             self.drew = moved(self.before, snapshot())
             if self.drew:
-                self._put_back()
+                self.put_back()
                 self.on_draws(self.drew)
         return self.drew
-
-    def _put_back(self) -> None:
-        torch.default_generator.set_state(self.before.torch)
-        random.setstate(self.before.python)
-        numpy: Any = sys.modules.get("numpy")
-        if numpy is not None and self.numpy is not None:
-            numpy.random.set_state(self.numpy)
-        generators = _cuda_generators()
-        if self.cuda:
-            for generator, state in zip(generators, self.cuda, strict=True):
-                generator.set_state(state)
-        else:  # CUDA started during the trial: where a fresh generator starts
-            for generator in generators:
-                generator.set_offset(0)
 
 
 def _cuda_generators() -> tuple[torch.Generator, ...]:

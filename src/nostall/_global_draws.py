@@ -183,13 +183,14 @@ class DrawWatch:
         #: in it (then prefetching starts after the very first batch, as without the watch).
         self.first_judged = _quiet_start(kind)
 
-    def pull(self, pull: Callable[[], M], *, first: bool) -> M:
+    def pull(self, pull: Callable[[], M], *, first: bool, ahead: bool = False) -> M:
         """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
 
         An epoch's first pull is judged too where the source's start is known to draw
-        nothing (:func:`_quiet_start`).
+        nothing (:func:`_quiet_start`), unless its batch was pulled ``ahead``, when the epoch
+        was opened (a resumed one: see ``TakenAhead``): then this pull pulls nothing to judge.
         """
-        if (first and not self.first_judged) or self.state is not Watch.WATCHING:
+        if (first and (ahead or not self.first_judged)) or self.state is not Watch.WATCHING:
             return pull()
         before = snapshot()
         message = pull()

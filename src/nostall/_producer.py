@@ -23,6 +23,7 @@ from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
 from ._epochs import EpochSource
 from ._exceptions import noted
 from ._exit import ThreadLetGo
+from ._skip import TakenAhead
 from ._stacks import stuck_at
 from ._staging_base import Staged, Staging
 from ._torch_compat import dead_workers_behind
@@ -139,7 +140,9 @@ class Puller:
         draws = self.epochs.draws
         if not draws.in_step:
             return self._pull()
-        message = draws.pull(self._pull, first=self.batches is None or self.untouched)
+        first = self.batches is None or self.untouched
+        ahead = first and isinstance(self.batches, TakenAhead)  # its batch already pulled
+        message = draws.pull(self._pull, first=first, ahead=ahead)
         self.untouched = False
         self.wanted.clear()
         if not self.epochs.draws.in_step:  # read again: the pull may have judged it

@@ -14,22 +14,53 @@ from ._torch_compat import copy_loader
 
 
 class _SkipFirst:
-    """A sampler that drops the first ``count`` items of another, drawing exactly as it does."""
+    """A sampler that drops the first ``count`` items of another, drawing exactly as it does.
 
-    def __init__(self, sampler: Iterable[Any], count: int) -> None:
-        self.sampler, self.count = sampler, count
+    Invariant: ``started()`` is called once the items were dropped and the next one drawn
+    (what the sampler draws at its start, and for those items), before that item is given:
+    from there on the loader draws for the batches after the skipped ones (their samples).
+    """
+
+    def __init__(self, sampler: Iterable[Any], count: int, started: Callable[[], None]) -> None:
+        self.sampler, self.count, self.started = sampler, count, started
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.sampler), self.count, None)
+        return self._after(iter(self.sampler))  # iter() where the sampler's own is made
+
+    def _after(self, items: Iterator[Any]) -> Iterator[Any]:
+        for _ in itertools.islice(items, self.count):
+            pass
+        first = list(itertools.islice(items, 1))
+        self.started()
+        yield from first
+        yield from items
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
+
+
+class TakenAhead:
+    """An epoch's iterator whose first batch (``first``) was pulled when it was opened.
+
+    Handing that batch over pulls nothing from the source, so the pull that does is not
+    judged for draws (see ``DrawWatch.pull``).
+    """
+
+    def __init__(self, first: list[Any], rest: Iterator[Any]) -> None:
+        self.items = itertools.chain(first, rest)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.items)
 
 
 def skip_ahead(
     source: Iterable[Any],
     count: int,
     iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: iter(loader),
+    started: Callable[[], None] = lambda: None,
 ) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
@@ -39,15 +70,19 @@ def skip_ahead(
     anything else is pulled and dropped. (A loader with persistent workers keeps one iterator,
     and its draws, across epochs: a copy would make its next epoch draw differently, so it is
     pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
-    :class:`~nostall._threads.ThreadedEpoch`).
+    :class:`~nostall._threads.ThreadedEpoch`). ``started()`` is called once the skipped
+    batches (and a sampler's start) drew what they draw, before the next batch's samples load
+    (with no batch to skip, never).
     """
+    if not count:
+        started = _nothing
     kind = classify(source)
-    clone = _skipping_copy(source, count)
+    clone = _skipping_copy(source, count, started)
     if clone is not None:
         return iterate(clone, count)
     inner = kind.inner if kind.loader is None else None  # Fabric's loader over a DataLoader
     if inner is not None:
-        clone = _skipping_copy(inner, count)
+        clone = _skipping_copy(inner, count, started)
         if clone is not None:
             return iterate(fabric_over(source, clone), count)
     it = iterate(source, 0)
@@ -58,15 +93,24 @@ def skip_ahead(
             break
         except Exception:
             continue  # a batch that raised was handed out as its error: skip it as well
+    started()
     return it
 
 
-def _skipping_copy(source: object, count: int) -> DataLoader[Any] | None:
+def _nothing() -> None:
+    """No batch skipped: nothing to call back."""
+
+
+def _skipping_copy(
+    source: object, count: int, started: Callable[[], None]
+) -> DataLoader[Any] | None:
     """A copy of a map-style ``DataLoader`` whose sampler skips ``count`` batches, or None."""
     kind = classify(source)
     if kind.loader is not None and kind.skippable:
         loader = kind.loader
         if loader.batch_sampler is not None:
-            return copy_loader(loader, batch_sampler=_SkipFirst(loader.batch_sampler, count))
-        return copy_loader(loader, sampler=_SkipFirst(loader.sampler, count))
+            return copy_loader(
+                loader, batch_sampler=_SkipFirst(loader.batch_sampler, count, started)
+            )
+        return copy_loader(loader, sampler=_SkipFirst(loader.sampler, count, started))
     return None
