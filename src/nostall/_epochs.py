@@ -163,7 +163,7 @@ class EpochSource:
 
     def length(self) -> int | None:
         """Batches per epoch (``len(source)``), or None for a source without a length."""
-        return _length(self.source)
+        return self.kind.length()
 
     def counted_length(self) -> int | None:
         """``len(source)`` where it counts the batches an epoch yields; None where it estimates.
@@ -305,10 +305,9 @@ class EpochSource:
     ) -> tuple[Iterator[Any], bool]:
         """Draw the epoch's order again from ``rng`` and skip the first ``skipped`` batches.
 
-        Returns the iterator, and whether drawing the order drew from torch's generator. The
-        order and the skipped batches draw from ``rng``, as before the state was saved; then
-        the global generators are put back as the user's loop has them (its checkpoint's), for
-        the batches after those to draw from, as uninterrupted.
+        Returns it and whether the order drew from torch's generator. The order and skipped
+        batches draw from ``rng``, as before the state was saved; the batches after them from
+        the global generators as the user's loop (its checkpoint) has them, as uninterrupted.
         """
         rng = replay["rng"]
         back, drew = HandBack(rng["torch"]), False  # back(): once the order and skips drew
@@ -318,10 +317,9 @@ class EpochSource:
         try:
             fresh = live_iterator(self.source) is None
             if self.kind.persistent and not replay["fresh_iterator"] and fresh:
-                # A fresh persistent loader's first iter() also draws its workers' base seed,
-                # drawn in an earlier epoch uninterrupted: create it, then draw the order again
-                # from the restored state by resetting it with a second iter() (once it exists,
-                # as after a replayed end, one iter() resets it, as there).
+                # A fresh persistent loader's first iter() also draws its workers' base seed
+                # (uninterrupted: in an earlier epoch): create it, then reset it with a second
+                # iter() to draw the order again (once it exists, one iter() resets it).
                 iter(self.source)
                 self.orders.restore(self.source, rng)
                 it = iter(self.source)
@@ -395,10 +393,3 @@ class EpochSource:
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self.orders.capture(self.source)
-
-
-def _length(source: object) -> int | None:
-    try:
-        return len(source)  # type: ignore[arg-type]
-    except TypeError:
-        return None

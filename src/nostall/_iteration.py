@@ -279,7 +279,8 @@ class PrefetchIterator(Iterator[T]):
             warn_if_hidden_from_framework(epochs.source, epochs.kind, self._settings.shard)
         ahead = lineage.take_ahead()
         if ahead is not None:
-            warn_drawn_ahead(lineage.epochs.kind)
+            if not lineage.epochs.draws.in_step:  # in step, it was opened when asked for
+                warn_drawn_ahead(lineage.epochs.kind)
             self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
             return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout

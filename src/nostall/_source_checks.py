@@ -8,7 +8,6 @@ where a resume cannot be exact. Nothing here changes what is loaded.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import RandomSampler
 
 from ._accelerate import accelerate_is_active
 from ._samplers import has_unreadable_set_epoch
@@ -145,8 +144,10 @@ def warn_drawn_ahead(kind: SourceKind) -> None:
     if loader is None:
         return
     samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
-    unseeded = [s for s in samplers if isinstance(s, RandomSampler) and s.generator is None]
-    if loader.generator is not None and not unseeded:
+    # torch's random samplers (RandomSampler, SubsetRandomSampler, WeightedRandomSampler) keep
+    # a ``generator``: None draws from torch's. A persistent loader draws its base seed once.
+    unseeded = [s for s in samplers if s is not None and getattr(s, "generator", 0) is None]
+    if (loader.generator is not None or kind.persistent) and not unseeded:
         return
     warn(
         f"nostall: across_epochs=True opened this epoch ahead, in its background thread, and "

@@ -138,6 +138,13 @@ class SourceKind:
         """
         return self.dataloader_type and self.map_style and not self.persistent
 
+    def length(self) -> int | None:
+        """``len(source)``: its batches per epoch (or an estimate); None without a length."""
+        try:
+            return len(self.source)
+        except TypeError:
+            return None
+
 
 def classify(source: object) -> SourceKind:
     """Decide what ``source`` is (see the module docstring for the kinds)."""
