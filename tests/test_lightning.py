@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from helpers import lightning_seed_unset
+from helpers import as_dataset, lightning_seed_unset
 
 import nostall
 
@@ -401,6 +401,32 @@ def test_a_stream_under_threads_resumes_mid_epoch_in_a_fresh_process(tmp_path: P
     rest = {"1": expected.seen[1][3 * BATCH :], "2": expected.seen[2]}
     assert rest == resumed["seen"]
     assert expected.weights == resumed["weights"]
+
+
+def test_a_combined_loader_fetching_ahead_leaves_its_batch_out() -> None:
+    """Beside a loader without a length, Lightning's fetcher fetches ahead of a sized prefetcher.
+
+    At every step the state leaves out the batch the fetcher holds, also when that is the
+    epoch's last (the state must not say the epoch is complete), and also after the combined
+    loader cycled the shorter prefetcher from the fetcher's ``__next__`` (``max_size_cycle``).
+    """
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    def prefetcher() -> nostall.Prefetcher[Any]:
+        return nostall.prefetch(torch.utils.data.DataLoader(as_dataset([0, 1, 2]), batch_size=None))
+
+    trained = prefetcher()
+    fetcher = _PrefetchDataFetcher()
+    fetcher.setup(CombinedLoader({"p": trained, "q": iter(range(100, 110))}, "max_size_cycle"))
+    iter(fetcher)
+    for step in range(5):  # the prefetcher's 3 batches, then 2 more as the loader cycles it
+        next(fetcher)
+        resumed = prefetcher()
+        resumed.load_state_dict(trained.state_dict())
+        assert int(fetcher.batches[0][0]["p"]) == int(next(iter(resumed))), f"step {step}"
+        resumed.close()
+    trained.close()
 
 
 class StatefulStream:

@@ -15,7 +15,13 @@ from typing import Any, cast
 import pytest
 import torch
 from helpers import wait_until
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SubsetRandomSampler,
+    get_worker_info,
+)
 
 import nostall
 
@@ -267,3 +273,32 @@ def test_a_worker_init_fn_lightning_adds_after_prefetch_is_warned_of(
     assert loader.worker_init_fn is not None
     with pytest.warns(UserWarning, match="worker_init_fn"):
         list(batches)
+
+
+def test_an_unseeded_subset_sampler_opened_ahead_is_warned_of() -> None:
+    """Any of torch's random samplers without a generator draws from torch's at iter()."""
+    generator = torch.Generator().manual_seed(0)
+    sampler = SubsetRandomSampler(range(8))  # no generator: torch's global one
+    loader = DataLoader(Counted(), batch_size=2, sampler=sampler, generator=generator)
+    batches = nostall.prefetch(loader, across_epochs=True)
+
+    def two_epochs() -> None:
+        for _ in range(2):
+            for _ in batches:
+                pass
+
+    with pytest.warns(UserWarning, match="opened this epoch ahead"):
+        two_epochs()
+    batches.close()
+
+
+def test_a_seeded_loader_with_a_sequential_sampler_is_not_warned_of() -> None:
+    """Nothing is drawn from torch's generator there: the epochs opened ahead are exact."""
+    loader = DataLoader(Counted(), batch_size=4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nostall.prefetch(loader, across_epochs=True) as batches:
+            for _ in range(3):
+                for _ in batches:
+                    pass
+    assert [] == [str(w.message) for w in caught if "opened this epoch ahead" in str(w.message)]

@@ -35,7 +35,7 @@ _FRAMES = 12
 def iterating_fetcher() -> weakref.ref[Any] | None:
     """A weak reference to Lightning's fetcher if one is calling ``iter()`` now, else None.
 
-    Looked for on the calling thread's stack: the fetcher's ``__iter__`` frame holds it.
+    Looked for on the calling thread's stack: the fetcher's own frame holds it.
     """
     classes = tuple(
         cls
@@ -48,10 +48,11 @@ def iterating_fetcher() -> weakref.ref[Any] | None:
     for _ in range(_FRAMES):
         if frame is None:
             return None
-        if frame.f_code.co_name == "__iter__":
-            fetcher = frame.f_locals.get("self")
-            if isinstance(fetcher, classes):
-                return weakref.ref(fetcher)
+        # Its __iter__ at an epoch's start; its __next__ where a CombinedLoader cycling a
+        # shorter loader (max_size_cycle) calls iter() on it again.
+        fetcher = frame.f_locals.get("self")
+        if isinstance(fetcher, classes):
+            return weakref.ref(fetcher)
         frame = frame.f_back
     return None
 

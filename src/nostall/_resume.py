@@ -115,6 +115,8 @@ def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]
     if at.loaded is not None:
         return at.loaded
     epoch, handed_out, saved = at.epoch, at.handed_out, at.source_state
+    if held and isinstance(saved, dict) and uncounts(at, epochs):
+        handed_out -= min(held, handed_out)  # its order is drawn again: they come again
     if saved is AS_BUILT:
         # Nothing handed out yet: the source is as it was built (or as set_epoch left it).
         saved = epochs.start_state()
@@ -131,8 +133,6 @@ def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]
         # Inside the epoch: how the next epoch's order is drawn, which across epochs the
         # producer may have done already, before this state or the user's own checkpoint.
         saved = {**saved, **epochs.next_epoch(epoch)}
-        if uncounts(at, epochs):
-            handed_out -= min(held, handed_out)
     state: dict[str, Any] = {
         "nostall": STATE_VERSION,
         "epoch": epoch,
