@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -423,3 +424,37 @@ def test_a_language_modelling_collator_with_seed_none_sees_the_plain_loops_draws
     with pytest.warns(GlobalDrawsWarning, match="collate_fn \\(DataCollatorForLanguageModeling\\)"):
         actual = run(lambda: nostall.prefetch(build(), "cpu"))
     assert expected == actual
+
+
+class SlowDrawing(Dataset[torch.Tensor]):
+    """Each sample waits, then draws from torch's global generator."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.5)
+        return torch.rand(1)
+
+
+@pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+def test_draws_of_a_loop_that_caught_a_timeout_are_never_put_back() -> None:
+    """With timeout=, next() may return (PrefetchTimeoutError) and the loop draws meanwhile.
+
+    A first batch fetched by the threads on trial would put the generators back when it found
+    the samples drew, taking the loop's draws back with them: its numbers would come again.
+    With a timeout there is no trial, so every number drawn is new.
+    """
+    torch.manual_seed(0)
+    batches = nostall.prefetch(DataLoader(SlowDrawing(), batch_size=2), threads=4, timeout=0.1)
+    it = iter(batches)
+    drawn = []
+    while True:
+        try:
+            drawn += next(it).flatten().tolist()
+            break
+        except nostall.PrefetchTimeoutError:
+            drawn.append(torch.rand(1).item())  # the loop does something else meanwhile
+    drawn += torch.rand(3).tolist()
+    batches.close()
+    assert len(drawn) == len(set(drawn)), drawn

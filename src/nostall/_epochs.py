@@ -66,11 +66,12 @@ class EpochSource:
         context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         *,
         transform: bool = False,
+        timeout: float | None = None,
     ) -> None:
         #: What the source is, and the source itself (:mod:`nostall._sources`).
         self.kind = classify(source)
         #: Whether the source draws from the global generators; pulled in step while it may.
-        self.draws = DrawWatch(self.kind, threads=threads, transform=transform)
+        self.draws = DrawWatch(self.kind, threads=threads, transform=transform, timeout=timeout)
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)

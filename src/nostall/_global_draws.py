@@ -165,9 +165,13 @@ class DrawWatch:
         *,
         threads: int | None = None,
         transform: bool = False,
+        timeout: float | None = None,
     ):
         self.kind = kind
         self.threads = threads
+        # With a timeout, the loop may return from next() (PrefetchTimeoutError) and draw while
+        # a trial runs, and a trial that finds draws would put those back too: no trials.
+        self.trials = timeout is None
         self.transform = transform
         # Nothing to watch where no code of the user's runs per batch in this process: worker
         # processes draw from their own seeds; a list's items are made already.
@@ -209,9 +213,10 @@ class DrawWatch:
         """A :class:`Trial` for the samples started now, or None to load them one at a time.
 
         Only while it is not known whether the source draws, and with threads to fetch in
-        parallel (``threads=1`` would gain nothing, and fetch twice a source that draws).
+        parallel (``threads=1`` would gain nothing, and fetch twice a source that draws), and
+        without a ``timeout=`` (see ``__init__``).
         """
-        if self.state is not Watch.WATCHING or (self.threads or 0) < 2:
+        if self.state is not Watch.WATCHING or (self.threads or 0) < 2 or not self.trials:
             return None
         return Trial(self.saw)
 

@@ -186,6 +186,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             threads,
             self._staging.source_context,
             transform=transform is not None,
+            timeout=timeout,
         )
         refuse_unsupported(epochs.kind, across_epochs)
         self._lineage = Lineage(epochs, self._staging.transform_state())
