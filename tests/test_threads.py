@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -677,3 +678,28 @@ def test_after_a_sample_times_out_the_queued_ones_still_load() -> None:
         p.close()
     assert [0, 1, 2, "DataLoader timed out after 1 seconds", 4, 5, 6, 7] == got
     wait_for_no_nostall_threads()
+
+
+class SlowFirst(Dataset[torch.Tensor]):
+    """Six samples; the first takes longer than the loader's timeout."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 0:
+            time.sleep(3.0)
+        return torch.tensor([i])
+
+
+def test_a_slow_first_batch_under_a_loader_timeout_is_each_batch_once() -> None:
+    """Every batch once, in order, none failed for another's sample.
+
+    An unjudged source's first batch is not fetched on trial under a loader ``timeout=`` (a
+    trial awaits all its samples, and raised the timeout for another batch, which then came
+    twice): it is loaded in the pulling thread, as ``num_workers=0`` loads, with no timeout.
+    """
+    loader = DataLoader(SlowFirst(), batch_size=1, timeout=1.5)
+    with nostall.prefetch(loader, threads=4) as batches:
+        got = [int(b) for b in batches]
+    assert [0, 1, 2, 3, 4, 5] == got

@@ -191,7 +191,7 @@ class ThreadedEpoch(Iterator[Any]):
         trial = None
         if self.inline() and not self.pending:  # else each pending batch was judged already
             self._peek()  # the sampler's own draws (its order, at its start) come first
-            trial = self.trial()
+            trial = self.trial() if self.timeout is None else None  # see _judge
         if not self.pending and not self._start_next(trial):
             raise StopIteration
         while (
@@ -219,8 +219,8 @@ class ThreadedEpoch(Iterator[Any]):
     def _judge(self, trial: Trial) -> None:
         """Wait for every sample started on ``trial``, then judge it (see the invariants).
 
-        A trial that drew put the generators back; its batches' samples, fetched in whatever
-        order the threads ran, are dropped, to be fetched again when each batch is asked for.
+        A trial that drew put the generators back; its samples are fetched again as each batch
+        is asked for. None under a loader ``timeout=``: awaiting all, it raises for another.
         """
         on_trial = [b for b in self.pending if b.trial is trial]
         for started in on_trial:
