@@ -123,11 +123,12 @@ def warn_unseeded_threads(loader: Any, threads: int, seen: object) -> None:
         _warn_uncalled(init, threads)
     elif init is None and os.environ.get("PL_SEED_WORKERS") == "1":
         warn(
-            f"nostall.prefetch(threads={threads}): Lightning's seed_everything(workers=True) "
-            f"reseeds each worker process of a loader Fabric or the Trainer set up; loading "
-            f"threads are not reseeded so, and draw from their own seeds: what your dataset "
-            f"draws differs from num_workers={threads}. Pass workers=False to "
-            f"seed_everything, or leave threads out to keep worker processes",
+            f"nostall.prefetch(threads={threads}): seed_everything(workers=True) is on "
+            f"(PL_SEED_WORKERS=1), and a loader Lightning sets up (Fabric's "
+            f"setup_dataloaders, the Trainer) reseeds each worker process; loading threads "
+            f"are not reseeded so: what your dataset draws differs from such a loader with "
+            f"num_workers={threads}. Pass workers=False to seed_everything (nothing changes "
+            f"where Lightning sets up none of your loaders), or leave threads out",
             UserWarning,
         )
 
