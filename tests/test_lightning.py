@@ -325,40 +325,34 @@ def test_lightning_resumes_a_dataloader_only_at_an_epoch_end(tmp_path: Path) -> 
     assert expected.weights == end.weights
 
 
-@pytest.mark.parametrize("how", ["callback", "lightning"])
-@pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
-def test_resume_mid_epoch(tmp_path: Path, across: bool, how: str) -> None:
-    """Saved after the 3rd batch of epoch 1 and resumed: the rest of the uninterrupted run.
-
-    The reference is Lightning's uninterrupted run on the plain DataLoader. The loader has the
-    DistributedSampler, whose orders depend on the epoch only. (With shuffle=True, the orders of
-    the epochs after the resumed one come from the global generator, whose state a Lightning
-    checkpoint does not hold: no resumed run, with or without nostall, repeats them.)
-    """
-    expected = plain("distributed", 0)
-    resumed = fit_and_resume(
-        lambda: nostall.prefetch(make_loader(0, "distributed"), "cpu", across_epochs=across),
-        tmp_path,
-        f"epoch=1-step={MID_STEP}.ckpt",
-        how=how,
-        every_n_train_steps=MID_STEP,
-    )
-    assert {1: expected.seen[1][3 * BATCH :], 2: expected.seen[2]} == resumed.seen
-    assert expected.weights == resumed.weights
+#: What is resumed mid-epoch: the uninterrupted run's reference, and the prefetcher to resume.
+RESUMED: dict[str, tuple[Callable[[], Fitted], Callable[[bool], nostall.Prefetcher[Any]]]] = {
+    # The plain DataLoader's run; its DistributedSampler's orders depend on the epoch only.
+    # (With shuffle=True the epochs after the resumed one would draw from torch's generator,
+    # whose state a Lightning checkpoint does not hold: no resumed run repeats them.)
+    "dataloader": (
+        lambda: plain("distributed", 0),
+        lambda across: nostall.prefetch(make_loader(0, "distributed"), "cpu", across_epochs=across),
+    ),
+    # Threads over a stream against 2 worker processes: the order comes from each epoch's
+    # worker seeds; nostall's state holds what they were drawn from, and what the next
+    # epoch's draw finds. Lightning takes a batch ahead of its step here (no len()).
+    "stream-threads": (
+        lambda: fit(lambda: stream_loader(2)),
+        lambda across: nostall.prefetch(stream_loader(0), "cpu", across_epochs=across, threads=2),
+    ),
+}
 
 
 @pytest.mark.parametrize("how", ["callback", "lightning"])
 @pytest.mark.parametrize("across", [False, True], ids=["per-epoch", "across-epochs"])
-def test_resume_a_stream_under_threads_mid_epoch(tmp_path: Path, across: bool, how: str) -> None:
-    """Threads over a stream, saved after the 3rd batch of epoch 1 and resumed: the rest.
-
-    The reference is Lightning's uninterrupted run with 2 worker processes. The stream's
-    order comes from each epoch's worker seeds, drawn from the global generator; nostall's
-    state holds what they were drawn from, and what the next epoch's draw finds.
-    """
-    expected = fit(lambda: stream_loader(2))
+@pytest.mark.parametrize("source", list(RESUMED))
+def test_resume_mid_epoch(tmp_path: Path, source: str, across: bool, how: str) -> None:
+    """Saved after the 3rd batch of epoch 1 and resumed: the rest of the uninterrupted run."""
+    reference, prefetcher = RESUMED[source]
+    expected = reference()
     resumed = fit_and_resume(
-        lambda: nostall.prefetch(stream_loader(0), "cpu", across_epochs=across, threads=2),
+        lambda: prefetcher(across),
         tmp_path,
         f"epoch=1-step={MID_STEP}.ckpt",
         how=how,
