@@ -321,13 +321,14 @@ TORCH_OPS_FOREVER = """
 entered = threading.Event()
 
 class Augment(torch.utils.data.Dataset):
-    # Sample 0 is quick; every later one runs short torch ops (which release the GIL) forever,
-    # as a long augmentation still running when the script ends.
+    # Samples 0 and 1 are quick; every later one runs short torch ops (which release the GIL)
+    # forever, as a long augmentation still running when the script ends. (Under threads=2 the
+    # first batch waits for the 2 samples fetched on trial: see nostall._threads.)
     def __len__(self):
         return 1000
     def __getitem__(self, i):
         x = torch.ones(3, 32, 32)
-        if i == 0:
+        if i < 2:
             return x
         entered.set()
         while True:

@@ -35,7 +35,10 @@ _FRAMES = 12
 def iterating_fetcher() -> weakref.ref[Any] | None:
     """A weak reference to Lightning's fetcher if one is calling ``iter()`` now, else None.
 
-    Looked for on the calling thread's stack: the fetcher's own frame holds it.
+    Looked for on the calling thread's stack: a frame running one of the fetcher's own
+    ``__iter__``/``__next__`` holds it as ``self``. Frames are matched by their code first:
+    reading a frame's ``f_locals`` keeps a snapshot of its locals alive with the frame, which
+    must never happen to the user's frames (it would keep a dropped prefetcher alive).
     """
     classes = tuple(
         cls
@@ -44,15 +47,23 @@ def iterating_fetcher() -> weakref.ref[Any] | None:
     )
     if not classes:
         return None
+    codes = {
+        method.__code__
+        for cls in classes
+        for base in cls.__mro__
+        for name in ("__iter__", "__next__")
+        if callable(method := base.__dict__.get(name)) and hasattr(method, "__code__")
+    }
     frame: FrameType | None = sys._getframe(1)
     for _ in range(_FRAMES):
         if frame is None:
             return None
         # Its __iter__ at an epoch's start; its __next__ where a CombinedLoader cycling a
         # shorter loader (max_size_cycle) calls iter() on it again.
-        fetcher = frame.f_locals.get("self")
-        if isinstance(fetcher, classes):
-            return weakref.ref(fetcher)
+        if frame.f_code in codes:
+            fetcher = frame.f_locals.get("self")
+            if isinstance(fetcher, classes):
+                return weakref.ref(fetcher)
         frame = frame.f_back
     return None
 
