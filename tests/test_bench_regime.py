@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TINY_BENCH, bench_result, wait_for_no_nostall_threads
+from torch.utils.data import TensorDataset
 
 from nostall.bench import BenchConfig, format_report, run_bench
 from nostall.bench import _contenders as c
-from nostall.bench._regime import launch_seconds
+from nostall.bench._regime import HEADROOM, device_seconds, launch_seconds
 from nostall.bench._report import conclusion
 from nostall.bench._workloads import DeviceStep
 
@@ -97,3 +98,14 @@ def test_the_launch_alone_is_timed_in_whole_steps_as_in_an_epoch() -> None:
     launched = launch_seconds(step, batch, runs=3)
     assert time.perf_counter() - start >= 4 * 0.02  # one untimed step, three timed, each waited
     assert 0 < launched
+
+
+def test_the_device_time_is_never_under_the_launch_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many cores divide the loading, never the launch: else no contender could reach E = 1."""
+    import nostall.bench._regime as regime
+
+    monkeypatch.setattr(regime, "launch_seconds", lambda step, batch: 0.012)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    dataset = TensorDataset(torch.zeros(12, 3, 8, 8, dtype=torch.uint8), torch.zeros(12))
+    device_s = device_seconds(dataset, 4, DeviceStep(launch_ops=1))
+    assert device_s == pytest.approx(HEADROOM * 0.012)

@@ -90,6 +90,7 @@ def test_a_stateful_dispatcher_keeps_the_end_of_the_data_for_its_last_batch() ->
 
     Else accelerator.accumulate() would sync and step at the wrong micro-batch, silently.
     """
+    pytest.importorskip("torchdata.stateful_dataloader")  # accelerate's stateful loader's
     stream = Stream()
     accelerator, loader = dispatcher(stream, stateful=True)
     with nostall.prefetch(loader) as prefetcher:
@@ -234,6 +235,14 @@ class Drawing(IterableDataset[torch.Tensor]):
             yield torch.rand(2, generator=generator) + i
 
 
+#: Drawing's draws need torch.thread_safe_generator() (torch 2.11 has none).
+needs_thread_safe_generator = pytest.mark.skipif(
+    not hasattr(torch, "thread_safe_generator"),
+    reason=f"torch {torch.__version__} has no torch.thread_safe_generator()",
+)
+
+
+@needs_thread_safe_generator
 @pytest.mark.filterwarnings("ignore:The dataloader, .*, does not have many workers")
 def test_fabric_threads_draw_what_fabrics_worker_processes_draw(
     monkeypatch: pytest.MonkeyPatch,
@@ -260,6 +269,7 @@ def test_fabric_threads_draw_what_fabrics_worker_processes_draw(
     assert warned or all(torch.equal(e, s) for e, s in zip(expected, seen, strict=True))
 
 
+@needs_thread_safe_generator
 def test_a_worker_init_fn_lightning_adds_after_prefetch_is_warned_of(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

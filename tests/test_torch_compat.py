@@ -208,6 +208,10 @@ def test_other_threads_get_torchs_own_worker_info() -> None:
     assert [None] == seen
 
 
+@pytest.mark.skipif(
+    not hasattr(torch, "thread_safe_generator"),
+    reason=f"torch {torch.__version__} has no torch.thread_safe_generator()",
+)
 def test_thread_safe_generator_reads_the_loading_threads_generator() -> None:
     """torch.thread_safe_generator() looks get_worker_info up on each call: it finds ours."""
 

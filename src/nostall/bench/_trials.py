@@ -163,7 +163,7 @@ def run_bench(
             paths = jpeg_files(config.jpeg_cache, config.jpeg_images or 64)
             length = config.regime_batches * config.regime_batch_size
             loading = JpegImages(paths, config.jpeg_size, length)
-            gpu_step = DeviceStep(config.launch_ops, config.device_ms / 1e3)
+            gpu_step = DeviceStep(config.launch_ops, config.device_ms / 1e3, device)
             if not gpu_step.device_s:
                 gpu_step.device_s = device_seconds(loading, config.regime_batch_size, gpu_step)
             device_trial(result, loading, gpu_step, regime, advance)

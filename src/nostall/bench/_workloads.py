@@ -144,12 +144,22 @@ class DeviceStep:
     few ms in all. Then the thread waits without the GIL (``time.sleep``, as a CUDA
     synchronisation waits) until ``device_s`` has passed since the step began; a launch phase
     that overran leaves no wait. The call returns the launch phase's seconds: beside loading
-    threads that hold the GIL, it is what grows.
+    threads that hold the GIL, it is what grows. On a CUDA ``device`` the ops are real
+    launches (the weights live there; batches arrive there), and the wait still models the
+    device's time, so that the figures compare with the CPU machine's.
     """
 
-    def __init__(self, launch_ops: int, device_s: float = 0.0) -> None:
+    def __init__(
+        self, launch_ops: int, device_s: float = 0.0, device: torch.device | None = None
+    ) -> None:
         self.launch_ops, self.device_s = launch_ops, device_s
-        self._weights = [torch.full((64,), 1.0 + i / 8) for i in range(8)]
+        self.device = device or torch.device("cpu")
+        self._weights = [torch.full((64,), 1.0 + i / 8, device=self.device) for i in range(8)]
+
+    def place(self, batch: Any) -> Any:
+        """``batch`` on the step's device, as the contenders hand it out (a probe's batch)."""
+        images, labels = batch
+        return images.to(self.device), labels.to(self.device)
 
     def launch(self, batch: Any) -> None:
         """The launch phase alone: the ops a forward and backward would queue."""
