@@ -17,7 +17,9 @@ from helpers import CountingTransform
 from simcuda import Simulation, simulated_cuda
 
 import nostall
+from nostall import _staging_cuda
 from nostall._staging_cuda import CudaStaging
+from nostall._tree import iter_tensors
 
 
 @pytest.fixture
@@ -163,4 +165,33 @@ def test_a_source_that_leaves_a_stream_set_does_not_keep_it(sim: Simulation) -> 
             staging.hand_out(staging.stage(batch))
             assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert seen == [staging.source_stream] * 2
+    assert sim.hazards == []
+
+
+def test_a_batch_of_host_tensors_is_walked_once(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its copies are all the device tensors it will hold: the moved batch is not walked.
+
+    A device tensor the batch already holds, or a tensor subclass (which may keep more
+    tensors in attributes), and the moved batch is walked for every device tensor.
+    """
+    walks = []
+
+    def walked(batch: Any) -> Iterator[torch.Tensor]:
+        walks.append(type(batch).__name__)
+        return iter_tensors(batch)
+
+    monkeypatch.setattr(_staging_cuda, "iter_tensors", walked)
+    staging = CudaStaging(torch.device("cuda", 0), True)
+    staged = staging.stage((torch.zeros(2), {"y": torch.ones(3)}))
+    assert walks == ["tuple"]
+    copies = (staged.batch[0], staged.batch[1]["y"])
+    assert [t is c for t, c in zip(staged.tensors, copies, strict=True)] == [True, True]
+    for odd in (torch.zeros(2, device="cuda"), torch.nn.Parameter(torch.zeros(2))):
+        walks.clear()
+        staged = staging.stage((torch.zeros(2), odd))
+        assert walks == ["tuple", "tuple"]
+        assert len(staged.tensors) == 2
+    torch.cuda.synchronize()
     assert sim.hazards == []

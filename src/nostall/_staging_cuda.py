@@ -127,7 +127,10 @@ class CudaStaging(Staging):
         """Pin and copy ``batch`` on the copy stream, transform it, record its ready event."""
         copies: list[torch.Tensor] = []
         due: list[DueWarning] = []
-        on_device = [t for t in iter_tensors(batch) if t.device == self.device]
+        # Device tensors, and subclasses (which may keep more tensors in attributes): with
+        # neither, every device tensor the batch will hold is a copy made here (see below).
+        odd = [t for t in iter_tensors(batch) if t.is_cuda or type(t) is not torch.Tensor]
+        on_device = [t for t in odd if t.is_cuda and t.device == self.device]
         self._after_source(on_device)
         with getattr(self._known, "copy", None) or torch.cuda.stream(self.stream):
             moved = map_tensors(batch, self._leaf_mover(copies), self._object_mover(copies, due))
@@ -138,12 +141,16 @@ class CudaStaging(Staging):
                 # only the outputs need protecting for the consumer.
                 self._keep_for_copy_stream(on_device)
             moved, transform_state = self._transform_step(moved)
-            if self.transform is not None:
-                protect = []  # the transform's outputs replace the copies
-            # Every device tensor handed out is protected, also those the source put on the
-            # device itself inside an object nostall does not move (their blocks belong to
-            # the source thread's stream, whose next allocations could reuse them).
-            protect = _unique(protect + [t for t in iter_tensors(moved) if t.is_cuda])
+            if self.transform is not None or odd:
+                # Every device tensor handed out is protected, also those the source put on
+                # the device itself inside an object nostall does not move (their blocks
+                # belong to the source thread's stream, whose next allocations could reuse
+                # them), and the transform's outputs, which replace the copies. Without
+                # either, the copies are all of them: each leaf's copy and each moved
+                # object's device tensors are in ``copies``, an object left unmoved holds
+                # host tensors only, and no walk of the moved batch is needed.
+                keep = [] if self.transform is not None else protect
+                protect = _unique(keep + [t for t in iter_tensors(moved) if t.is_cuda])
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
         return Staged(moved, ready, protect, transform_state, tuple(due))
