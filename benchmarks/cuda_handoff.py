@@ -74,12 +74,21 @@ def primitives(device: torch.device) -> None:
         ".to(device) from pageable": "x.to(device)",
         "Event() + record": "e = torch.cuda.Event(); e.record(copy)",
         "with torch.cuda.stream(copy)": "with torch.cuda.stream(copy): pass",
+        "with torch.cuda.device(device)": "with torch.cuda.device(device): pass",
+        "set_stream(copy), set_stream(default)": (
+            "torch.cuda.set_stream(copy); torch.cuda.set_stream(default)"
+        ),
+        "torch.cuda.current_stream(index)": "torch.cuda.current_stream(index)",
+        "is_pinned (pageable)": "x.is_pinned()",
+        "is_pinned (pinned)": "pinned.is_pinned()",
         "torch.cuda.current_stream(device)": "torch.cuda.current_stream(device)",
         "stream.wait_event(event)": "torch.cuda.current_stream().wait_event(event)",
         "record_stream": "on_device.record_stream(copy)",
         "is_current_stream_capturing": "torch.cuda.is_current_stream_capturing()",
     }
+    default, index = torch.cuda.default_stream(device), on_device.device.index
     names = dict(x=x, pinned=pinned, on_device=on_device, copy=copy, event=event, device=device)
+    names.update(default=default, index=index)
     for label, stmt in statements.items():
         timer = benchmark.Timer(stmt, globals={**names, "torch": torch}, label=label)
         m = timer.blocked_autorange(min_run_time=0.2)

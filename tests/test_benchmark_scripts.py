@@ -159,3 +159,13 @@ def test_launch_pacing_measures_the_launch_slowdown_of_a_way() -> None:
     assert 0 == done.returncode, done.stderr
     assert "epoch 0: launch alone" in done.stdout
     assert "threads 2, device 5 ms" in done.stdout
+
+
+def test_handoff_calls_counts_per_batch_on_the_simulated_cuda() -> None:
+    """Three tables of calls per batch; torch's own contexts seen with --torch-python."""
+    done = run("handoff_calls.py", "--simulated", "--torch-python", "--n1", "4", "--n2", "12")
+    assert 0 == done.returncode, done.stderr
+    assert "calls per batch (simulated CUDA" in done.stdout
+    for table in ("nostall's functions", "called by nostall, outside it", "torch.cuda's Python"):
+        assert f"===== {table}: " in done.stdout
+    assert "_staging_cuda.py" in done.stdout

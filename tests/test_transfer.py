@@ -345,3 +345,25 @@ def test_compact_leaves_tensor_subclasses_as_they_are() -> None:
     assert compact(view).is_contiguous()
     boxes = whole.as_subclass(Boxes)[:, ::2]
     assert compact(boxes) is boxes
+
+
+def test_compact_asks_a_contiguous_tensor_for_no_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common batch (contiguous) is returned at one C call; only others have spans summed."""
+    from nostall._transfer import compact
+
+    asked: list[int] = []
+    stride = torch.Tensor.stride
+
+    def counted(self: torch.Tensor, *args: Any) -> Any:
+        asked.append(1)
+        return stride(self, *args)
+
+    whole, empty = torch.arange(40.0).reshape(10, 4), torch.zeros(0, 3)
+    transposed = whole.t()
+    monkeypatch.setattr(torch.Tensor, "stride", counted)
+    assert compact(whole) is whole
+    assert compact(empty) is empty
+    assert asked == []
+    assert compact(transposed) is transposed  # not contiguous, but dense: kept as it is
+    assert asked == [1]
+    assert compact(whole[:, ::2]).is_contiguous()

@@ -1027,10 +1027,12 @@ def test_canary_the_producer_makes_no_context_on_another_gpu(
     ``torch.cuda.stream(s)`` makes the previous stream's device current again on exit, with
     an eager ``cudaSetDevice`` that creates that device's context: without the producer's
     ``set_device``, its copy-stream block would end on GPU 0 every batch, and every rank
-    would hold a context (hundreds of MiB) there.
+    would hold a context (hundreds of MiB) there. Its known resting stream (on the target,
+    set back after each block) also keeps it on the target: the canary removes both.
     """
     if removed:
-        edit = ("torch.cuda.set_device(self.device)", "pass")
+        settle = "self._settle(torch.cuda.current_stream(self.index))"
+        edit = (f"torch.cuda.set_device(self.device)\n    {settle}", "pass")
         monkeypatch.setattr(CudaStaging, "start_thread", mutant(CudaStaging, "start_thread", *edit))
     torch.cuda.set_device(1)
     data, reference = _images(4), _pipeline()

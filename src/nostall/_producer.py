@@ -312,7 +312,8 @@ class Puller:
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():
                 return None  # one was queued just before the lock, or it is not asked for
-            return self.pull()
+            with self.staging.pull_context():
+                return self.pull()
         finally:
             self.pull_lock.release()
 

@@ -88,6 +88,14 @@ class Staging:
         """
         return contextlib.nullcontext()
 
+    def pull_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around a batch the consumer pulls itself (source and staging together).
+
+        Where a device has stream state to set per pull, this lets it read the thread's once
+        per pull (see ``CudaStaging``); off CUDA there is nothing to read.
+        """
+        return contextlib.nullcontext()
+
     def start_thread(self) -> None:
         """Prepare the producer thread; called once in it before the first batch.
 

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,11 @@ class CudaStaging(Staging):
         * Nothing in staging makes the host wait for the device (no ``.item()``, no blocking
           or pageable copies) unless the user turned pinning off or a batch object cannot pin.
         * No batch is handed out while the consumer's stream captures a CUDA graph.
+        * Per batch, nostall asks torch for no stream and no device where it knows them: in
+          the producer thread (always) and in the consumer while it pulls a batch itself,
+          the target device is current and so is a known resting stream, so the source and
+          copy streams are set and the resting one set back directly (``_Use``), with what
+          ``torch.cuda.device``/``torch.cuda.stream`` would leave current before and after.
     """
 
     def __init__(
@@ -60,15 +66,41 @@ class CudaStaging(Staging):
     ) -> None:
         super().__init__(device, transform)
         self.pin = pin
+        #: The target's index, an int: torch.cuda resolves an int without a device lookup.
+        self.index: int = device.index if device.index is not None else torch.cuda.current_device()
         self.stream = _copy_streams.LENDER.lend(device, self)
         self.source_stream = _copy_streams.LENDER.lend(device, self)
+        #: Per thread, where it is known (see ``_settle``): ``source`` and ``copy``, the
+        #: contexts that make each stream current and set the thread's resting one back.
+        self._known = threading.local()
 
     def source_context(self) -> contextlib.AbstractContextManager[Any]:
         """The target device and the source stream, current while the source runs."""
+        known: _Use | None = getattr(self._known, "source", None)
+        if known is not None:
+            return known
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.cuda.device(self.device))
             stack.enter_context(torch.cuda.stream(self.source_stream))
             return stack.pop_all()
+
+    def pull_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a batch the consumer pulls itself: its streams known for the pull's length.
+
+        Only where the target is its current device; elsewhere torch's contexts are entered
+        per call, as they also set the device and set it back.
+        """
+        if getattr(self._known, "source", None) is not None:
+            return contextlib.nullcontext()  # known already (the producer thread)
+        if torch.cuda.current_device() != self.index:
+            return contextlib.nullcontext()
+        return _Pulling(self, torch.cuda.current_stream(self.index))
+
+    def _settle(self, rest: torch.cuda.Stream | None) -> None:
+        """This thread has the target current and ``rest`` current on it (None: unknown)."""
+        known = self._known
+        known.source = None if rest is None else _Use(self.source_stream, rest)
+        known.copy = None if rest is None else _Use(self.stream, rest)
 
     def before_epoch(self) -> None:
         """Order the source stream after the work queued so far on the opening thread's stream.
@@ -81,17 +113,26 @@ class CudaStaging(Staging):
         self.source_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def start_thread(self) -> None:
-        """Also make the target the producer thread's current device (pinning, events use it)."""
+        """Also make the target the producer thread's current device (pinning, events use it).
+
+        Its current stream there is its default one, known from now on: nostall changes it
+        in this thread only through ``_Use``, which sets it back, also after the user's code
+        that runs inside (the source, the transform) changed it.
+        """
         super().start_thread()
         torch.cuda.set_device(self.device)
+        self._settle(torch.cuda.current_stream(self.index))
 
     def stage(self, batch: Any) -> Staged:
         """Pin and copy ``batch`` on the copy stream, transform it, record its ready event."""
         copies: list[torch.Tensor] = []
         due: list[DueWarning] = []
-        on_device = [t for t in iter_tensors(batch) if t.device == self.device]
+        # Device tensors, and subclasses (which may keep more tensors in attributes): with
+        # neither, every device tensor the batch will hold is a copy made here (see below).
+        odd = [t for t in iter_tensors(batch) if t.is_cuda or type(t) is not torch.Tensor]
+        on_device = [t for t in odd if t.is_cuda and t.device == self.device]
         self._after_source(on_device)
-        with torch.cuda.stream(self.stream):
+        with getattr(self._known, "copy", None) or torch.cuda.stream(self.stream):
             moved = map_tensors(batch, self._leaf_mover(copies), self._object_mover(copies, due))
             protect = copies
             if self.transform is not None:
@@ -100,12 +141,16 @@ class CudaStaging(Staging):
                 # only the outputs need protecting for the consumer.
                 self._keep_for_copy_stream(on_device)
             moved, transform_state = self._transform_step(moved)
-            if self.transform is not None:
-                protect = []  # the transform's outputs replace the copies
-            # Every device tensor handed out is protected, also those the source put on the
-            # device itself inside an object nostall does not move (their blocks belong to
-            # the source thread's stream, whose next allocations could reuse them).
-            protect = _unique(protect + [t for t in iter_tensors(moved) if t.is_cuda])
+            if self.transform is not None or odd:
+                # Every device tensor handed out is protected, also those the source put on
+                # the device itself inside an object nostall does not move (their blocks
+                # belong to the source thread's stream, whose next allocations could reuse
+                # them), and the transform's outputs, which replace the copies. Without
+                # either, the copies are all of them: each leaf's copy and each moved
+                # object's device tensors are in ``copies``, an object left unmoved holds
+                # host tensors only, and no walk of the moved batch is needed.
+                keep = [] if self.transform is not None else protect
+                protect = _unique(keep + [t for t in iter_tensors(moved) if t.is_cuda])
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
         return Staged(moved, ready, protect, transform_state, tuple(due))
@@ -188,7 +233,7 @@ class CudaStaging(Staging):
 
     def hand_out(self, staged: Staged) -> Any:
         """Make the caller's current stream wait for the batch and protect its memory."""
-        consumer = torch.cuda.current_stream(self.device)
+        consumer = torch.cuda.current_stream(self.index)
         self._wait(consumer, staged.ready)
         self._keep_for_consumer(consumer, staged.tensors)
         if staged.due:
@@ -206,6 +251,41 @@ class CudaStaging(Staging):
         """Keep the batch's memory out of the copy stream's pool until the consumer used it."""
         for t in tensors:
             record_stream(t, consumer)
+
+
+class _Use:
+    """``stream`` current in the block, then ``rest``, in a thread where ``rest`` is current.
+
+    What ``torch.cuda.stream(stream)`` does there (and ``torch.cuda.device`` of the target:
+    setting a stream makes its device current, and ``rest`` is on the target), without
+    asking torch which stream and device are current: two calls instead of about a dozen.
+    """
+
+    __slots__ = ("rest", "stream")
+
+    def __init__(self, stream: torch.cuda.Stream, rest: torch.cuda.Stream) -> None:
+        self.stream, self.rest = stream, rest
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.rest)
+
+
+class _Pulling:
+    """The consumer pulls a batch itself, ``rest`` current on the target: known till the end."""
+
+    __slots__ = ("rest", "staging")
+
+    def __init__(self, staging: CudaStaging, rest: torch.cuda.Stream) -> None:
+        self.staging, self.rest = staging, rest
+
+    def __enter__(self) -> None:
+        self.staging._settle(self.rest)
+
+    def __exit__(self, *exc: object) -> None:
+        self.staging._settle(None)
 
 
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -96,8 +96,10 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     contiguous tensor anyway. Dense views (a permutation, channels-last) and expanded ones
     (stride 0) are returned as they are.
     """
-    if type(t) is not torch.Tensor or t.numel() == 0 or t.layout != torch.strided:
+    if type(t) is not torch.Tensor or t.layout != torch.strided:
         return t  # a subclass (torchvision's tv_tensors) keeps its type and metadata as it is
+    if t.is_contiguous() or t.numel() == 0:
+        return t  # no gaps (the common batch: one C call, not a sum over the dimensions)
     span = 1 + sum(
         (size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)
     )
