@@ -166,6 +166,7 @@ ENGINE = (
     "_latest_producer",
     "_producer",
     "_channel",
+    "_pacing",
     "_epochs",
     "_drawn_orders",
     "_staging_base",

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
+from ._pacing import Pacer
 
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
@@ -105,6 +106,7 @@ class Channel:
         *,
         max_depth: int | None = None,
         phase: Callable[[], str] = lambda: "unknown",
+        pacer: Pacer | None = None,
     ) -> None:
         self.depth = depth
         #: How deep ``depth`` may grow (``depth="auto"``); None: it stays as it is.
@@ -123,6 +125,8 @@ class Channel:
         self.wake = threading.Event()
         #: The producer thread; the consumer reports its death instead of waiting forever.
         self.thread: threading.Thread | None = None
+        #: Paces the producer of a threaded epoch (see :mod:`nostall._pacing`); None: unpaced.
+        self.pacer = pacer
 
     # -- producer side -------------------------------------------------------------------------
 
@@ -171,12 +175,17 @@ class Channel:
             PrefetchTimeoutError: nothing arrived within ``timeout`` seconds.
             ProducerDiedError: the producer thread ended without sending anything.
         """
+        pacer = self.pacer
         try:
             message = self.items.get_nowait()
             self.slots.release()
+            if pacer is not None:
+                pacer.handed_off()
             return message
         except queue.Empty:
             pass
+        if pacer is not None:
+            pacer.hurry_up()  # a producer waiting to pull would keep this consumer waiting
         # Not inside the except block: an exception raised by the pull below would carry the
         # Empty as its context, whose traceback holds this thread's frames (the training loop,
         # the prefetcher). A source's generator that keeps that exception (accelerate's loader
@@ -188,9 +197,13 @@ class Channel:
         if timeout is None and pull_here is not None and thread is not None and thread.is_alive():
             stolen = pull_here()
             if stolen is not None:
+                if pacer is not None:
+                    pacer.handed_off()
                 return stolen
         message = self._wait(index, timeout)
         self.slots.release()
+        if pacer is not None:
+            pacer.handed_off()
         return message
 
     def limit_growth(self, most: int) -> None:
@@ -279,3 +292,5 @@ class Channel:
         self.stop.set()
         self.slots.release()  # wakes a producer waiting for a slot at once
         self.wake.set()
+        if self.pacer is not None:
+            self.pacer.hurry_up()  # and one waiting to start its pull

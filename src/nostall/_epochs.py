@@ -26,6 +26,7 @@ from ._drawn_orders import DrawnOrders
 from ._fabric import IterCount
 from ._generators import HandBack, Saved
 from ._global_draws import DrawWatch
+from ._pacing import Pacer
 from ._pool import Pool
 from ._samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from ._skip import TakenAhead, skip_ahead
@@ -75,6 +76,8 @@ class EpochSource:
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)
+        #: Paces the pulls of loading threads, over every epoch (see :mod:`nostall._pacing`).
+        self.pacer = None if threads is None else Pacer()
         #: Batches a threaded epoch may start ahead: the current channel's free slots.
         self.room: Callable[[], int] = lambda: 0
         self.across_epochs = across_epochs

@@ -301,6 +301,7 @@ class PrefetchIterator(Iterator[T]):
             1 if auto else int(depth),
             describe(epochs.source),
             max_depth=1 if auto else None,  # grows once the first batch shows its size
+            pacer=epochs.pacer,
         )
         device = self._staging.device  # not self: the puller must not keep this alive
         puller = Puller(

@@ -12,6 +12,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 
 from ._channel import END, FAILED
 from ._exit import ThreadLetGo, track, wind_down
@@ -32,6 +33,8 @@ def produce(puller: Puller) -> None:
     """
     channel = puller.channel
     _live.add(puller)
+    # Loading threads share the GIL with the consumer's launches: their pulls are paced.
+    pacer = channel.pacer
     paused = False
 
     def give_up() -> bool:
@@ -50,6 +53,8 @@ def produce(puller: Puller) -> None:
                     channel.put(puller._failed(e, where))
             return
         while channel.acquire(give_up):
+            if pacer is not None and not puller.epochs.draws.in_step:
+                pacer.wait(lambda: not channel.empty() and not channel.stop.is_set())
             if not puller.wait_at_gate():
                 channel.give_back()
                 return
@@ -69,7 +74,10 @@ def produce(puller: Puller) -> None:
                     # draw at its end), so wait at the gate again.
                     channel.give_back()
                     continue
+                began = time.monotonic()
                 message = puller.pull()
+                if pacer is not None:
+                    pacer.pulled(time.monotonic() - began)
                 channel.put(message)
             kind = message[0]
             del message  # the consumer owns the batch now
