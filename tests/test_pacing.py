@@ -209,3 +209,15 @@ def test_a_consumer_taking_its_last_queued_batch_early_ends_the_wait() -> None:
     assert hurry.waited.wait(timeout=30), "the producer never waited"
     channel.get(1, timeout=None)  # the queued batch, taken at once: nothing queued now
     wait_until(lambda: not thread.is_alive(), "the producer started its pull")
+
+
+def test_after_a_drain_a_last_step_shorter_than_the_median_is_the_step_allowed() -> None:
+    """After steps of 0.1 s, one of 0.02 s that emptied the queue: the slack is taken from it.
+
+    At a wait's start the median stands (a step a little short must not move the pull
+    into the launches).
+    """
+    pacer = paced(0.1, 0.01)
+    pacer.handoffs.append(1000.02)
+    assert pacer.start_at(drained=True) == pytest.approx(1000.02 + 0.02 - 0.01)
+    assert pacer.start_at() == pytest.approx(1000.02 + 0.1 - 0.01)
