@@ -188,3 +188,36 @@ def test_threaded_epochs_share_one_pacer_and_keep_their_batches() -> None:
         [b.tolist() for b in epoch] for epoch in got
     ]
     assert 12 == len(seen)  # both epochs' 5 batches and ends, handed off through one pacer
+
+
+def test_a_consumer_taking_its_last_queued_batch_early_ends_the_wait() -> None:
+    """Review finding: a step much shorter than the recent ones must not leave the pull waiting.
+
+    Steps of 600 s so far, so the producer waits about a step for its pull while a batch is
+    queued. The consumer takes that batch at once (a short step after long ones): nothing is
+    queued now, and it will want the next batch within about as short a step; a producer
+    still waiting out the long step's slack would keep it waiting for a whole pull, which
+    an unpaced producer, pulling since the hand-off before, had done by then.
+    """
+    pacer = paced(600.0, 1.0, last=time.monotonic())
+    channel = Channel(2, "a test source", pacer=pacer)
+    assert channel.slots.acquire(blocking=False)
+    channel.put(("batch", 0, 0, None, None))  # type: ignore[arg-type]
+    hurry = pacer.hurry = Hurry()
+    thread = threading.Thread(target=pacer.wait, args=(lambda: not channel.empty(),), daemon=True)
+    thread.start()
+    assert hurry.waited.wait(timeout=30), "the producer never waited"
+    channel.get(1, timeout=None)  # the queued batch, taken at once: nothing queued now
+    wait_until(lambda: not thread.is_alive(), "the producer started its pull")
+
+
+def test_after_a_drain_a_last_step_shorter_than_the_median_is_the_step_allowed() -> None:
+    """After steps of 0.1 s, one of 0.02 s that emptied the queue: the slack is taken from it.
+
+    At a wait's start the median stands (a step a little short must not move the pull
+    into the launches).
+    """
+    pacer = paced(0.1, 0.01)
+    pacer.handoffs.append(1000.02)
+    assert pacer.start_at(drained=True) == pytest.approx(1000.02 + 0.02 - 0.01)
+    assert pacer.start_at() == pytest.approx(1000.02 + 0.1 - 0.01)

@@ -181,6 +181,8 @@ class Channel:
             self.slots.release()
             if pacer is not None:
                 pacer.handed_off()
+                if self.items.empty():
+                    pacer.drained()  # a producer waiting to pull takes its wait again
             return message
         except queue.Empty:
             pass

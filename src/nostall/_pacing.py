@@ -17,7 +17,13 @@ less the longest of the recent pulls. Invariants:
       consumer finding nothing queued (loading keeps up only just: the steps seen are
       forgotten then), nor when the slack is not positive.
     * A wait ends early when the consumer finds nothing queued (:meth:`Pacer.hurry_up`) or the
-      channel is let go; it never outlasts one step from the hand-off.
+      channel is let go; it never outlasts one step from the hand-off. When the consumer
+      takes its last queued batch meanwhile (:meth:`Pacer.drained`), the wait is taken again
+      from that hand-off with the shorter of the median and that last step, and ends at the
+      earlier of the two: a step much shorter than the recent ones (after a slow warm-up)
+      would otherwise find nothing queued while the pull still waited. Not at the wait's
+      start: a last step a little short (its hand-off delayed by the one before) would move
+      the pull into the launches.
     * The pull then still ends before the consumer needs its batch: started at the hand-off
       plus the slack, a pull as long as the longest recent one ends a (median) step after
       that hand-off, and the consumer needs it a step later (it has the queued batch for the
@@ -54,7 +60,7 @@ class Pacer:
         #: Seconds each of the producer's last pulls took.
         self.pulls: collections.deque[float] = collections.deque(maxlen=WINDOW)
         #: Set when a waiting producer must pull now (the consumer found nothing queued, or
-        #: the channel was let go).
+        #: the channel was let go) or look again at when (the consumer emptied the queue).
         self.hurry = threading.Event()
 
     def handed_off(self) -> None:
@@ -70,30 +76,52 @@ class Pacer:
         self.handoffs.clear()
         self.hurry.set()
 
+    def drained(self) -> None:
+        """The consumer took its last queued batch: a waiting producer takes its wait again.
+
+        Called in the consumer's thread, after :meth:`handed_off`: the next pull is the one
+        the consumer waits for if its next step is as short as this last one.
+        """
+        self.hurry.set()
+
     def pulled(self, seconds: float) -> None:
         """The producer's pull took ``seconds``."""
         self.pulls.append(seconds)
 
-    def start_at(self) -> float | None:
-        """When the next pull may start (``time.monotonic()``), or None: at once."""
+    def start_at(self, drained: bool = False) -> float | None:
+        """When the next pull may start (``time.monotonic()``), or None: at once.
+
+        ``drained``: the last hand-off emptied the queue; its step, if shorter than the
+        median, is the one allowed (the next may be as short).
+        """
         # Copied whole under the GIL (floats: no Python runs meanwhile), while the consumer
         # may append.
         handoffs, pulls = list(self.handoffs), list(self.pulls)
         if len(handoffs) <= WINDOW or len(pulls) < WINDOW:
             return None
-        step = statistics.median(b - a for a, b in itertools.pairwise(handoffs))
-        slack = step - max(pulls)
+        steps = [b - a for a, b in itertools.pairwise(handoffs)]
+        step = statistics.median(steps)
+        slack = (min(step, steps[-1]) if drained else step) - max(pulls)
         return handoffs[-1] + slack if slack > 0 else None
 
     def wait(self, queued: Callable[[], bool]) -> None:
-        """In the producer, holding a slot: wait until :meth:`start_at` while ``queued()``.
+        """In the producer, holding a slot: wait until :meth:`start_at`, if ``queued()``.
 
-        ``queued()`` (a batch is queued and the channel not let go) is read after ``hurry`` is
-        cleared: a consumer that finds nothing queued sets it after, so it is not missed.
+        ``hurry`` is cleared before the hand-offs and ``queued()`` (a batch is queued and the
+        channel not let go) are read: a consumer that hands off, drains the queue or finds it
+        empty sets it after, so it is not missed. Woken, the start is taken again (None once
+        the consumer waited or the channel was let go: the steps were forgotten), and the
+        earlier of the two stands.
         """
-        start = self.start_at()
-        if start is None:
-            return
         self.hurry.clear()
-        if queued() and (left := start - time.monotonic()) > 0:
-            self.hurry.wait(left)
+        start = self.start_at()
+        if start is None or not queued():
+            return
+        while (left := start - time.monotonic()) > 0:
+            if not self.hurry.wait(left):
+                return  # the start came
+            self.hurry.clear()
+            again = self.start_at(drained=True)
+            if again is None:
+                return
+            start = min(start, again)
