@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import pickle
-import re
 import threading
 import types
 from collections.abc import Iterator
@@ -111,66 +110,20 @@ def test_timeout_errors_carry_what_a_program_needs_and_survive_pickling() -> Non
 PACKAGE = Path(nostall.__file__).parent
 
 
-def _diagram() -> list[str]:
-    """The private modules drawn in ``nostall.__doc__``'s data path, top to bottom."""
-    assert nostall.__doc__ is not None
-    drawing = nostall.__doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
-    drawn = []
-    for line in drawing.splitlines():
-        names = [
-            n for n in re.findall(r"\b_[a-z][a-z_]*\b", line) if (PACKAGE / f"{n}.py").exists()
-        ]
-        drawn += names[:1]
-    return drawn
-
-
-def _imports(module: str) -> set[str]:
-    """The sibling modules ``nostall/<module>.py`` imports, anywhere in the file."""
-    found = set()
-    for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module} if node.module else {a.name for a in node.names}
-    return found
-
-
-def test_the_data_path_diagram_draws_the_imports_upward() -> None:
-    """Each module the docstring draws imports, of those drawn, only those above it."""
-    drawn = _diagram()
-    assert len(drawn) > 10, drawn
-    below = {m: set(drawn[i + 1 :]) for i, m in enumerate(drawn)}
-    assert {} == {m: sorted(_imports(m) & below[m]) for m in drawn if _imports(m) & below[m]}
-
-
-def test_the_modules_the_path_shares_import_none_of_it() -> None:
-    """A private module the drawn ones import without drawing it imports none of them."""
-    drawn = set(_diagram())
-    shared = set().union(*(_imports(m) for m in drawn)) - drawn
-    assert {} == {m: sorted(_imports(m) & drawn) for m in shared if _imports(m) & drawn}
-
-
-def test_no_module_is_longer_than_400_lines() -> None:
-    """One concept per module: a module past 400 lines holds more than one; split it."""
-    long = {
-        str(path.relative_to(PACKAGE)): n
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if (n := len(path.read_text().splitlines())) > 400
-    }
-    assert {} == long
-
-
-#: The engine: the modules a batch goes through, and those that keep its state between them.
+#: The engine: the modules a batch goes through, and those that keep its state between them
+#: (their paths in the package).
 ENGINE = (
-    "_prefetcher",
-    "_iteration",
-    "_lineage",
-    "_latest_producer",
-    "_producer",
-    "_channel",
-    "_pacing",
-    "_epochs",
-    "_drawn_orders",
-    "_staging_base",
-    "_staging_cuda",
+    "_prefetcher.py",
+    "_iteration.py",
+    "_lineage.py",
+    "_latest_producer.py",
+    "_producer.py",
+    "_channel.py",
+    "_pacing.py",
+    "_epochs.py",
+    "_drawn_orders.py",
+    "_staging_base.py",
+    "_staging_cuda.py",
 )
 
 #: The engine's fields assigned after construction (see the test); this number only shrinks.
@@ -180,7 +133,7 @@ MUTABLE_FIELDS = 40
 def _fields(module: str) -> dict[str, tuple[set[str], set[str]]]:
     """Per class of ``module``: its ``self.x`` fields, and those assigned outside ``__init__``."""
     found = {}
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    tree = ast.parse((PACKAGE / module).read_text())
     for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
         every, later = set(), set()
         for method in (node for node in cls.body if isinstance(node, ast.FunctionDef)):
@@ -226,8 +179,8 @@ def test_no_engine_module_writes_the_lineages_fields() -> None:
     writes = {
         f"{module}:{node.lineno}"
         for module in ENGINE
-        if module != "_lineage"
-        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text()))
+        if module != "_lineage.py"
+        for node in ast.walk(ast.parse((PACKAGE / module).read_text()))
         if isinstance(node, (ast.Assign, ast.AugAssign))
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
         for part in ast.walk(target)

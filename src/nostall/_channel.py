@@ -13,10 +13,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
-from ._pacing import Pacer
 
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1
@@ -35,6 +34,23 @@ class Kind(enum.Enum):
     #: An error that ends the epoch: ``iter(source)`` failed, or not an ``Exception`` (e.g. a
     #: ``KeyboardInterrupt`` inside the source).
     FAILED = "failed"
+
+
+class HandOffObserver(Protocol):
+    """Told of the consumer's hand-offs, in the consumer's thread (a threaded epoch's pacer).
+
+    The channel calls it and knows nothing more of it: the loading threads it paces stay out of
+    the hand-off (:class:`nostall._pacing.Pacer` is the one there is).
+    """
+
+    def handed_off(self) -> None:
+        """The consumer got a batch."""
+
+    def drained(self) -> None:
+        """The consumer took its last queued batch."""
+
+    def hurry_up(self) -> None:
+        """The consumer waits (nothing queued), or the channel is let go."""
 
 
 # The kinds by name, compared with ``is`` on the hand-off path.
@@ -106,7 +122,7 @@ class Channel:
         *,
         max_depth: int | None = None,
         phase: Callable[[], str] = lambda: "unknown",
-        pacer: Pacer | None = None,
+        pacer: HandOffObserver | None = None,
     ) -> None:
         self.depth = depth
         #: How deep ``depth`` may grow (``depth="auto"``); None: it stays as it is.

@@ -34,7 +34,7 @@ def produce(puller: Puller) -> None:
     channel = puller.channel
     _live.add(puller)
     # Loading threads share the GIL with the consumer's launches: their pulls are paced.
-    pacer = channel.pacer
+    pacer = puller.epochs.pacer
     paused = False
 
     def give_up() -> bool:
