@@ -7,9 +7,9 @@ from pathlib import Path
 
 from helpers import bench_result
 
-from nostall._timing import Measured
 from nostall.bench import write_json
 from nostall.bench._records import Record, summarize
+from nostall.cuda._timing import Measured
 
 
 def test_summarize_gives_median_and_spread_in_arrival_order() -> None:

@@ -17,7 +17,7 @@ import torch
 
 import nostall
 from nostall._cli import main
-from nostall._devices import DeviceInfo, format_devices, host_info, human
+from nostall.cuda._devices import DeviceInfo, format_devices, host_info, human
 
 
 def test_devices_match_torch() -> None:
@@ -489,7 +489,7 @@ def test_nvml_that_fails_to_start_gives_no_nvml_data(monkeypatch: pytest.MonkeyP
 
 def test_memory_report_and_release_on_mps_read_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """On MPS the figures are Metal's, not the host's (the CPU branch reads /proc)."""
-    from nostall import _devices
+    from nostall.cuda import _devices
 
     mps = SimpleNamespace(
         current_allocated_memory=lambda: 3 * 2**20,

@@ -13,8 +13,8 @@ from helpers import assert_honest
 
 from nostall._diagnosis import BUSY, ONE_RUN, Diagnosis, bound
 from nostall._thread_safety import ThreadSafety
-from nostall._timing import Measured
 from nostall._tune import Setting, TuneResult
+from nostall.cuda._timing import Measured
 
 
 def _diagnosis(as_built: tuple[float, ...], best: tuple[float, ...]) -> Diagnosis:

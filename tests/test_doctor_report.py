@@ -6,8 +6,8 @@ import re
 
 from nostall._diagnosis import Diagnosis
 from nostall._doctor_report import CHAR_PX, chart_rows, html_page
-from nostall._timing import Measured
 from nostall._tune import Setting, TuneResult
+from nostall.cuda._timing import Measured
 
 
 def _diagnosis() -> Diagnosis:

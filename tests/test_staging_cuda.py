@@ -19,7 +19,7 @@ from simcuda import Simulation, simulated_cuda
 import nostall
 from nostall import _staging_cuda
 from nostall._staging_cuda import CudaStaging
-from nostall._tree import iter_tensors
+from nostall.cuda._tree import iter_tensors
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nostall
-from nostall._timing import Measured
+from nostall.cuda._timing import Measured
 
 
 def test_timeit_on_the_cpu() -> None:
@@ -165,7 +165,7 @@ def test_timer_on_another_accelerator_synchronises_around_the_work(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On MPS or XPU the ops are asynchronous: the timing waits for the device at both ends."""
-    from nostall import _timing
+    from nostall.cuda import _timing
 
     events: list[str] = []
     monkeypatch.setattr(
@@ -180,7 +180,7 @@ def test_timer_on_another_accelerator_synchronises_around_the_work(
 
 def test_timeit_flushes_l2_before_each_run_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each timed run starts with a cold L2 (flush_l2=True, the default); False keeps it warm."""
-    from nostall import _timing
+    from nostall.cuda import _timing
 
     order: list[str] = []
 
@@ -199,7 +199,7 @@ def test_the_l2_flusher_writes_twice_the_l2_of_the_device() -> None:
     """Twice the L2 size the device reports (128 MiB if it says none), on the device."""
     from simcuda import simulated_cuda
 
-    from nostall import _timing
+    from nostall.cuda import _timing
 
     assert _timing._l2_flusher(torch.device("cpu")) is None
     with simulated_cuda():

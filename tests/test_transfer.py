@@ -269,7 +269,7 @@ def test_pin_memory_walks_and_calls_own_method(monkeypatch: pytest.MonkeyPatch) 
         pinned.append(t)
         return t.clone()
 
-    monkeypatch.setattr("nostall._transfer._pin_tensor", fake_pin)
+    monkeypatch.setattr("nostall.cuda._transfer._pin_tensor", fake_pin)
 
     class Custom:
         def pin_memory(self) -> str:
@@ -286,7 +286,7 @@ def test_pin_memory_walks_and_calls_own_method(monkeypatch: pytest.MonkeyPatch) 
 
 def test_iter_tensors_finds_tensors_inside_objects() -> None:
     """Tensors inside containers, dataclasses and plain objects' attributes are found once."""
-    from nostall._tree import iter_tensors
+    from nostall.cuda._tree import iter_tensors
 
     shared = torch.ones(1)
     obj = Movable(shared)
@@ -315,7 +315,7 @@ def test_record_stream_reaches_the_memory_of_sparse_and_nested_tensors(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """record_stream needs storage: sparse and nested tensors are recorded through their parts."""
-    from nostall._transfer import record_stream
+    from nostall.cuda._transfer import record_stream
 
     tensor, count = _sparse_and_nested()[kind]
     recorded: list[torch.Tensor] = []
@@ -335,7 +335,7 @@ def test_record_stream_reaches_the_memory_of_sparse_and_nested_tensors(
 
 def test_compact_leaves_tensor_subclasses_as_they_are() -> None:
     """A subclass (torchvision's tv_tensors) keeps its type and metadata: never compacted."""
-    from nostall._transfer import compact
+    from nostall.cuda._transfer import compact
 
     class Boxes(torch.Tensor):
         pass
@@ -349,7 +349,7 @@ def test_compact_leaves_tensor_subclasses_as_they_are() -> None:
 
 def test_compact_asks_a_contiguous_tensor_for_no_strides(monkeypatch: pytest.MonkeyPatch) -> None:
     """The common batch (contiguous) is returned at one C call; only others have spans summed."""
-    from nostall._transfer import compact
+    from nostall.cuda._transfer import compact
 
     asked: list[int] = []
     stride = torch.Tensor.stride

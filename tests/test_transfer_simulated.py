@@ -24,10 +24,10 @@ from helpers import Hidden, as_dataset
 from simcuda import STREAM_POOL, Kind, SimStream, Simulation, simulated_cuda
 
 import nostall
-from nostall import _streams
 from nostall import transforms as T
 from nostall._channel import Channel
 from nostall._staging_cuda import CudaStaging
+from nostall.cuda import _streams
 from nostall.transforms import _random, _tensors
 
 CONSUMERS = ["default", "side"]

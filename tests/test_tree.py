@@ -1,4 +1,4 @@
-"""``nostall._tree``: the order tensors are found in, and the batch size read from it."""
+"""``nostall.cuda._tree``: the order tensors are found in, and the batch size read from it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nostall
-from nostall._tree import batch_size_of, iter_tensors, map_tensors
+from nostall.cuda._tree import batch_size_of, iter_tensors, map_tensors
 
 
 @dataclasses.dataclass

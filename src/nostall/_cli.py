@@ -222,7 +222,7 @@ def _device(device: str | None) -> torch.device:
 def _devices(args: argparse.Namespace) -> int:
     import json
 
-    from ._devices import devices, format_devices, host_info
+    from .cuda._devices import devices, format_devices, host_info
 
     found, host = devices(), host_info()
     if args.json:

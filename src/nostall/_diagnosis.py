@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ._timing import Measured
 from ._tune import Setting, TuneResult
+from .cuda._timing import Measured
 
 #: Threads against worker processes, one run each: the ratio that names one the faster.
 CLEAR_RATIO = 1.25

@@ -28,9 +28,6 @@ from ._device import DeviceLike, resolve_data_device
 from ._diagnosis import Diagnosis, draws_line, per_s
 from ._exceptions import ConfigurationError
 from ._specs import checked_factory
-from ._timing import Measured, synchronize
-from ._transfer import to_device
-from ._tree import batch_size_of
 from ._tune import (
     YOURS,
     Factory,
@@ -42,6 +39,9 @@ from ._tune import (
     measure,
     tune,
 )
+from .cuda._timing import Measured, synchronize
+from .cuda._transfer import to_device
+from .cuda._tree import batch_size_of
 
 DEFAULT = YOURS
 

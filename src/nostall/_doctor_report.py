@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ._diagnosis import Diagnosis, per_s
 from ._exceptions import ConfigurationError
-from ._timing import Measured
 from ._tune import YOURS, Setting
+from .cuda._timing import Measured
 
 
 def check_output(path: str | None, flag: str) -> None:

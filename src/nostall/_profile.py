@@ -19,7 +19,7 @@ import torch
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_device
-from ._tree import batch_size_of
+from .cuda._tree import batch_size_of
 
 T = TypeVar("T")
 

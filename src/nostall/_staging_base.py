@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._transfer import call_to
 from ._transform_state import stateful
-from ._tree import map_tensors
+from .cuda._transfer import call_to
+from .cuda._tree import map_tensors
 
 #: A warning found while staging a batch: its key (once per process) and its message.
 DueWarning = tuple[tuple[str, type], str]

@@ -22,9 +22,9 @@ import torch
 
 from . import _copy_streams
 from ._staging_base import DueWarning, Staged, Staging
-from ._transfer import call_pin_memory, call_to, compact, record_stream
-from ._tree import UNHANDLED, iter_tensors, map_tensors
 from ._warn import warn
+from .cuda._transfer import call_pin_memory, call_to, compact, record_stream
+from .cuda._tree import UNHANDLED, iter_tensors, map_tensors
 
 
 class CudaStaging(Staging):

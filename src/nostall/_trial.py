@@ -17,9 +17,9 @@ import torch
 
 from ._global_draws import unreported
 from ._prefetcher import prefetch
-from ._timing import synchronize
-from ._transfer import to_device
-from ._tree import batch_size_of
+from .cuda._timing import synchronize
+from .cuda._transfer import to_device
+from .cuda._tree import batch_size_of
 
 Factory = Callable[..., Iterable[Any]]
 Step = Callable[[Any], Any]

@@ -30,7 +30,6 @@ from ._sources import classify
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threadable import check_threadable
-from ._timing import Measured
 from ._trial import LOADER_KNOBS as LOADER_KNOBS
 from ._trial import YOURS as YOURS
 from ._trial import Factory as Factory
@@ -41,6 +40,7 @@ from ._trial import accepted_knobs as accepted_knobs
 from ._trial import build as build
 from ._trial import loader_kwargs as loader_kwargs
 from ._trial import measure as measure
+from .cuda._timing import Measured
 
 #: How many of the search's best trials are measured again, with repeats, before one is chosen.
 FINALISTS = 2

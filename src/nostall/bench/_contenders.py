@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._prefetcher import prefetch
-from .._transfer import to_device
+from ..cuda._transfer import to_device
 
 
 class Sources(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .._timing import Measured
+from ..cuda._timing import Measured
 from . import _contenders as c
 from ._records import BenchResult
 

@@ -1,6 +1,6 @@
 """What a bench run records (one tidy row per measured value) and the one aggregation over it.
 
-Every figure shown is a :class:`~nostall._timing.Measured` (median, min-max) of the records
+Every figure shown is a :class:`~nostall.cuda._timing.Measured` (median, min-max) of the records
 sharing a key.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._timing import Measured
+from ..cuda._timing import Measured
 from ._config import BenchConfig
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .._profile import profile
-from .._timing import synchronize
+from ..cuda._timing import synchronize
 from . import _contenders as c
 from ._records import BenchResult, Record
 from ._workloads import DeviceStep

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils import benchmark
 
-from .._timing import Measured
+from ..cuda._timing import Measured
 from ._records import BenchResult
 
 NOSTALL, SERIAL = "nostall", "serial DataLoader"

@@ -19,9 +19,9 @@ from torch.utils import benchmark
 from torch.utils.data import DataLoader, Dataset
 
 from .._device import resolve_device
-from .._devices import host_info
 from .._profile import profile
-from .._timing import synchronize
+from ..cuda._devices import host_info
+from ..cuda._timing import synchronize
 from . import _contenders as c
 from ._config import BenchConfig
 from ._records import BenchResult, Record

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _arguments as check
-from .._transfer import upload
+from ..cuda._transfer import upload
 from ._base import Key, Transform, check_batch, max_value, memory_format
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .. import _arguments as check
-from .._transfer import upload
+from ..cuda._transfer import upload
 from ._base import Key, Transform, check_batch, current_stream, max_value
 
 

@@ -3,6 +3,13 @@
 ``nostall.prefetch`` does all of this for a training loop; these are the pieces, for code of
 your own. Each works on the CPU too (where there is nothing to synchronise or pin, it says so
 or does the plain thing).
+
+Inside nostall it is the wing every GPU move goes through, and a leaf: it imports only the
+modules shared at the top (``_device``, ``_exceptions``, ``_torch_compat``). Its part of the
+data path, for each batch the staging moves::
+
+    _tree (walk the nested batch) -> _transfer (pin_memory, to_device, record_stream)
+    _devices, _timing, _streams: what the device is, how long its work took, side streams
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._device import DeviceLike, resolve_device
-from ._exceptions import DeviceUnavailableError
+from .._device import DeviceLike, resolve_device
+from .._exceptions import DeviceUnavailableError
 from ._tree import UNHANDLED, map_tensors
 
 T = TypeVar("T")
@@ -25,7 +25,7 @@ def to_device(batch: T, device: DeviceLike, *, non_blocking: bool = False) -> T:
     Tensors are moved with ``Tensor.to``; objects with their own ``.to()`` method are asked to move
     themselves (called as ``.to(device, non_blocking=...)``, falling back to ``.to(device)`` when
     they do not accept ``non_blocking``). Strings, bytes, numbers, None and other objects are
-    returned unchanged. See :mod:`nostall._tree` for the containers that are rebuilt.
+    returned unchanged. See :mod:`nostall.cuda._tree` for the containers that are rebuilt.
 
     Args:
         batch: a tensor or any nested structure holding tensors.

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._device import DeviceLike, resolve_device
+from .._device import DeviceLike, resolve_device
 
 
 def synchronize(device: torch.device) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ._device import DeviceLike, resolve_device
-from ._torch_compat import has_cuda_context
+from .._device import DeviceLike, resolve_device
+from .._torch_compat import has_cuda_context
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._device import DeviceLike, resolve_device
+from .._device import DeviceLike, resolve_device
 from ._tree import iter_tensors
 
 
