@@ -23,7 +23,7 @@ _TYPE_QUESTIONS = re.compile(
     r"|issubclass\(type\("
     r"|\b(is_prepared_shard|is_fabric_loader|prepared_loader_types|is_dispatcher)\("
 )
-_RECOGNISERS = {"_sources.py", "_fabric.py", "_accelerate.py"}
+_RECOGNISERS = {"_sources.py", "_clients/fabric.py", "_clients/accelerate.py"}
 
 
 def test_no_module_but_sources_asks_what_a_source_is() -> None:
@@ -44,8 +44,11 @@ def test_no_module_but_sources_asks_what_a_source_is() -> None:
 
 
 def test_the_recognisers_are_called_only_by_sources_and_their_own_module() -> None:
-    """``_fabric``'s and ``_accelerate``'s recognisers are not asked by each other."""
-    for own, others in (("_fabric.py", "is_prepared_shard("), ("_accelerate.py", "is_fabric_")):
+    """``fabric``'s and ``accelerate``'s recognisers are not asked by each other."""
+    for own, others in (
+        ("_clients/fabric.py", "is_prepared_shard("),
+        ("_clients/accelerate.py", "is_fabric_"),
+    ):
         assert others not in (PACKAGE / own).read_text()
 
 

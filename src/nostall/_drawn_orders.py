@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._fabric import IterCount
+from ._clients.fabric import IterCount
 from ._samplers import capture_rng, generators_of, sampler_epoch_of
 from ._torch_compat import live_iterator
 

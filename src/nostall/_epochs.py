@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ._accelerate import ShardMirror
+from ._clients.accelerate import ShardMirror
+from ._clients.fabric import IterCount
 from ._drawn_orders import DrawnOrders
-from ._fabric import IterCount
 from ._generators import HandBack, Saved
 from ._global_draws import DrawWatch
 from ._pacing import Pacer

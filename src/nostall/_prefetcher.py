@@ -8,13 +8,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, Generic, Literal, TypeVar
 
 from . import _arguments as check
-from ._accelerate import route_skip_first_batches
 from ._device import DeviceLike, resolve_data_device
 from ._epochs import EpochSource
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
-from ._fabric import fabric_device
 from ._iteration import PrefetchIterator
-from ._lightning import held_ahead, iterating_fetcher, warn_counted_ahead
 from ._lineage import Lineage
 from ._loader_attributes import LoaderAttributes
 from ._profile import StallRecorder, StallReport
@@ -97,9 +94,9 @@ def _skipping(prefetcher: Prefetcher[T], skip: Callable[[Any], Iterable[T]]) -> 
     """A prefetcher made as ``prefetcher`` was, over ``skip(its source)``.
 
     accelerate's ``skip_first_batches`` returns it when given a prefetcher (see
-    :func:`nostall._accelerate.route_skip_first_batches`). The skipping loader is the rest of
-    one epoch and shares the source's sampler, so it never runs ahead into another epoch; it
-    reports to the same profile. Its source is sharded already.
+    :func:`nostall._clients.accelerate.route_skip_first_batches`). The skipping loader is the
+    rest of one epoch and shares the source's sampler, so it never runs ahead into another
+    epoch; it reports to the same profile. Its source is sharded already.
     """
     settings = prefetcher._settings
     kept = {field.name: getattr(settings, field.name) for field in dataclasses.fields(settings)}
@@ -164,6 +161,11 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         shard: bool | None = None,
         threads: int | None = None,
     ) -> None:
+        # The clients are asked here and in __iter__ and state_dict only (see
+        # tests/test_architecture.py): the facade imports none at import time.
+        from ._clients.accelerate import route_skip_first_batches
+        from ._clients.fabric import fabric_device
+
         self._settings = Settings.checked(
             source,
             device=device,
@@ -282,6 +284,8 @@ class Prefetcher(LoaderAttributes, Generic[T]):
 
     def __iter__(self) -> PrefetchIterator[T]:
         """Start a new iteration (lazily: nothing is fetched until its first ``next()``)."""
+        from ._clients.lightning import held_ahead, iterating_fetcher
+
         if self._closed:
             raise PrefetcherClosedError(
                 "this Prefetcher was closed; create a new one with nostall.prefetch(source) to "
@@ -341,10 +345,12 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         """Where the user is: the epoch and the batches of it already handed out.
 
         Batches fetched ahead are not counted, nor those Lightning's loop took ahead of its
-        step (over a loader without a length, see :mod:`nostall._lightning`; where they cannot
-        be left out, it warns). Save it with your checkpoint; give it to
+        step (over a loader without a length, see :mod:`nostall._clients.lightning`; where they
+        cannot be left out, it warns). Save it with your checkpoint; give it to
         :meth:`load_state_dict` of a fresh prefetcher over an identically built source.
         """
+        from ._clients.lightning import warn_counted_ahead
+
         self._resolve_shard()  # the next epoch's source, once it is sharded
         lineage = self._lineage
         active = lineage.active_iteration()

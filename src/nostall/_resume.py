@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ._arguments import kind, received
+from ._clients.fabric import check_count
 from ._epochs import AS_BUILT, EpochSource
-from ._fabric import check_count
 from ._samplers import describe_order
 from ._transform_state import StatefulTransform
 
@@ -109,7 +109,7 @@ def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]
     """The dictionary ``Prefetcher.state_dict()`` returns at position ``at``.
 
     ``held``: of the batches handed out, those the loop took ahead of its step and has not
-    trained on (see :mod:`nostall._lightning`); not counted where :func:`uncounts`, so that
+    trained on (see :mod:`nostall._clients.lightning`); not counted where :func:`uncounts`, so that
     a resumed run hands them out again.
     """
     if at.loaded is not None:

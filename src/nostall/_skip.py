@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ._fabric import fabric_over
+from ._clients.fabric import fabric_over
 from ._sources import classify
 from ._torch_compat import copy_loader
 

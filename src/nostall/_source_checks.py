@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._accelerate import accelerate_is_active
+from ._clients.accelerate import accelerate_is_active
 from ._samplers import has_unreadable_set_epoch
 from ._sharding import distributed_world, is_sharded, unsharded_warning
 from ._sources import Client, SourceKind

@@ -5,9 +5,9 @@
 other module asks that value, never the source's type: the engine asks the epoch source built
 from it (:class:`~nostall._epochs.EpochSource`, the adapter), and the argument checks, the
 resume, the skipping and the global-draw watch ask the kind. A new client is recognised here
-(its recogniser lives in its own module: :mod:`nostall._fabric`, :mod:`nostall._accelerate`)
-and adapted in the epoch source; the channel, the producer, the staging and the iteration do
-not change.
+(its recogniser lives in its own module: :mod:`nostall._clients.fabric`,
+:mod:`nostall._clients.accelerate`) and adapted in the epoch source; the channel, the producer,
+the staging and the iteration do not change.
 
 The kinds, as the checks tell them apart::
 
@@ -31,8 +31,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, IterDataPipe
 
-from ._accelerate import is_dispatcher, is_prepared_shard, prepared_loader_types
-from ._fabric import fabric_inner_loader, is_fabric_loader
+from ._clients.accelerate import is_dispatcher, is_prepared_shard, prepared_loader_types
+from ._clients.fabric import fabric_inner_loader, is_fabric_loader
 
 
 class Client(enum.Enum):

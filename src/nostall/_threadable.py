@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._accelerate import unthreadable_shard
-from ._fabric import threads_refusal
+from ._clients.accelerate import unthreadable_shard
+from ._clients.fabric import threads_refusal
+from ._clients.transformers import is_trainer_seed_worker
 from ._sources import Client, classify
 from ._threads import MAX_THREADS
-from ._transformers import is_trainer_seed_worker
 from ._warn import warn
 
 _UNDER_TRAINER = "; under Hugging Face Trainer: TrainingArguments(dataloader_num_workers=0)"
@@ -37,7 +37,7 @@ def check_threadable(source: object, threads: object) -> int | None:
             :data:`MAX_THREADS`.
 
     Warns (``UserWarning``) when the loader has a ``worker_init_fn``: no thread calls it
-    (except Trainer's own, see :func:`nostall._transformers.is_trainer_seed_worker`).
+    (except Trainer's own, see :func:`nostall._clients.transformers.is_trainer_seed_worker`).
     """
     if threads is None:
         return None

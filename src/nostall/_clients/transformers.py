@@ -8,12 +8,12 @@ docs/clients/trainer.md)::
 
 ``super().get_train_dataloader()`` is accelerate's prepared loader (a ``DataLoaderDispatcher``
 over a streaming train set), which nostall iterates through
-:class:`~nostall._accelerate.ShardMirror` (``threads=`` loads a shard's samples). Two things
+:class:`~nostall._clients.accelerate.ShardMirror` (``threads=`` loads a shard's samples). Two things
 are Trainer's own:
 
 * A mid-epoch resume calls accelerate's ``skip_first_batches(train_dataloader, n)``, which
   Trainer imported by name into its module: that name is among those
-  :func:`nostall._accelerate.route_skip_first_batches` routes.
+  :func:`nostall._clients.accelerate.route_skip_first_batches` routes.
 * Trainer gives every training loader ``worker_init_fn=partial(seed_worker, ...)``, whatever the
   user asked, which :func:`is_trainer_seed_worker` recognises.
 

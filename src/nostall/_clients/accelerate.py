@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ._transformers import SKIP_FIRST_BATCHES_CALLERS
+from .transformers import SKIP_FIRST_BATCHES_CALLERS
 
 
 class _DetachedGradientState:

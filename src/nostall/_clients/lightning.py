@@ -23,7 +23,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-from ._warn import warn
+from .._warn import warn
 
 _FETCHERS = ("lightning.pytorch.loops.fetchers", "pytorch_lightning.loops.fetchers")
 
