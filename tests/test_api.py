@@ -122,8 +122,8 @@ ENGINE = (
     "_pacing.py",
     "_epochs.py",
     "_drawn_orders.py",
-    "_staging_base.py",
-    "_staging_cuda.py",
+    "_staging/base.py",
+    "_staging/cuda.py",
 )
 
 #: The engine's fields assigned after construction (see the test); this number only shrinks.

@@ -168,4 +168,4 @@ def test_handoff_calls_counts_per_batch_on_the_simulated_cuda() -> None:
     assert "calls per batch (simulated CUDA" in done.stdout
     for table in ("nostall's functions", "called by nostall, outside it", "torch.cuda's Python"):
         assert f"===== {table}: " in done.stdout
-    assert "_staging_cuda.py" in done.stdout
+    assert "_staging/cuda.py" in done.stdout

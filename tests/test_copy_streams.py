@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from nostall._copy_streams import CopyStreams
+from nostall._staging.copy_streams import CopyStreams
 
 
 def test_copy_streams_taken_back_inside_a_take_back_do_not_deadlock() -> None:

@@ -15,7 +15,7 @@ from nostall._channel import Channel
 from nostall._epochs import AS_BUILT, EpochSource
 from nostall._lineage import Lineage
 from nostall._producer import Puller
-from nostall._staging_base import Staging
+from nostall._staging.base import Staging
 
 
 def lineage_over(n: int = 8) -> Lineage:

@@ -963,7 +963,7 @@ def staged_on_meta(batches: list[Any]) -> list[Any]:
 
     (The prefetcher itself refuses device="meta": nothing can be computed on what it yields.)
     """
-    from nostall._staging_base import Staging
+    from nostall._staging.base import Staging
 
     staging = Staging(torch.device("meta"))
     return [staging.hand_out(staging.stage(b)) for b in batches]
@@ -1189,7 +1189,7 @@ def _copies_start_late(monkeypatch: pytest.MonkeyPatch) -> None:
     happens before the sleep is queued. So the copy is still pending when the batch is handed
     out, however busy the GPU is with other processes' work.
     """
-    from nostall._staging_cuda import CudaStaging
+    from nostall._staging.cuda import CudaStaging
 
     def leaf_mover(
         self: CudaStaging, out: list[torch.Tensor]
@@ -1226,7 +1226,7 @@ def test_cuda_canary_without_the_wait(monkeypatch: pytest.MonkeyPatch, consumer:
     runs on the GPU: with a copy that merely ran long, another process's kernels (the suite
     under xdist) sometimes let it finish first and the canary saw nothing.
     """
-    from nostall._staging_cuda import CudaStaging
+    from nostall._staging.cuda import CudaStaging
 
     monkeypatch.setattr(CudaStaging, "_wait", staticmethod(lambda consumer, ready: None))
     _copies_start_late(monkeypatch)
@@ -1239,7 +1239,7 @@ def test_cuda_canary_without_the_wait(monkeypatch: pytest.MonkeyPatch, consumer:
 @pytest.mark.parametrize("consumer", ["default", "side"])
 def test_cuda_canary_without_record_stream(monkeypatch: pytest.MonkeyPatch, consumer: str) -> None:
     """The check has teeth: without record_stream, a late read sees a later batch's copy."""
-    from nostall._staging_cuda import CudaStaging
+    from nostall._staging.cuda import CudaStaging
 
     monkeypatch.setattr(
         CudaStaging, "_keep_for_consumer", staticmethod(lambda consumer, tensors: None)

@@ -18,7 +18,7 @@ from nostall._channel import BATCH, END, ERROR, FAILED, Channel
 from nostall._epochs import EpochSource
 from nostall._producer import Puller
 from nostall._producer_thread import produce, stop_all_producers
-from nostall._staging_base import Staging
+from nostall._staging.base import Staging
 
 CPU = torch.device("cpu")
 

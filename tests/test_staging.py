@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from simcuda import simulated_cuda
 
-from nostall._staging import staging_for
-from nostall._staging_base import ConsumerThreadStaging, Staging
-from nostall._staging_cuda import CudaStaging
+from nostall._staging.base import ConsumerThreadStaging, Staging
+from nostall._staging.choose import staging_for
+from nostall._staging.cuda import CudaStaging
 
 
 def test_mps_stages_in_the_consumers_thread() -> None:

@@ -14,7 +14,7 @@ from helpers import CountingTransform
 
 import nostall
 from nostall import _prefetcher
-from nostall._staging_base import ConsumerThreadStaging, Staging
+from nostall._staging.base import ConsumerThreadStaging, Staging
 
 CPU = torch.device("cpu")
 

@@ -17,8 +17,8 @@ from helpers import CountingTransform
 from simcuda import Simulation, simulated_cuda
 
 import nostall
-from nostall import _staging_cuda
-from nostall._staging_cuda import CudaStaging
+from nostall._staging import cuda as _staging_cuda
+from nostall._staging.cuda import CudaStaging
 from nostall.cuda._tree import iter_tensors
 
 

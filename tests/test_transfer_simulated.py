@@ -1,7 +1,7 @@
 """nostall's CUDA path, unmodified, on the simulated CUDA (``tests/simcuda``), via the public API.
 
 Every scenario checks the values against the CPU and that the simulation found no hazard. Each
-protection of :class:`nostall._staging_cuda.CudaStaging` then has a canary: the same run with that
+protection of :class:`nostall._staging.cuda.CudaStaging` then has a canary: the same run with that
 one protection removed, which the simulation must flag with the matching hazard. Consumers run
 their "model" both on the default stream and on a side stream: a default-stream consumer can
 hide a missing ``record_stream`` or wait.
@@ -26,7 +26,7 @@ from simcuda import STREAM_POOL, Kind, SimStream, Simulation, simulated_cuda
 import nostall
 from nostall import transforms as T
 from nostall._channel import Channel
-from nostall._staging_cuda import CudaStaging
+from nostall._staging.cuda import CudaStaging
 from nostall.cuda import _streams
 from nostall.transforms import _random, _tensors
 

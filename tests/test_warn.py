@@ -42,10 +42,10 @@ from nostall import (
     _pool,
     _sharding,
     _source_checks,
-    _staging_cuda,
 )
 from nostall._epochs import EpochSource
 from nostall._global_draws import GlobalDrawsWarning, unwatched
+from nostall._staging import cuda as _staging_cuda
 from nostall._warn import warn
 
 Entry = Callable[..., nostall.Prefetcher[Any]]

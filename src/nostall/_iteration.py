@@ -3,7 +3,7 @@
 A :class:`PrefetchIterator` is what ``iter(prefetcher)`` returns. It starts a producer thread
 (:mod:`nostall._producer`) on its first ``next()``, takes batches, errors and the epoch's end from
 its channel (:mod:`nostall._channel`) in order, and hands each batch out through the staging
-(:mod:`nostall._staging`).
+(:mod:`nostall._staging.choose`).
 Consecutive passes of one Prefetcher share a :class:`~nostall._lineage.Lineage`: the position
 to resume from, the producer that runs ahead across epochs.
 
@@ -38,13 +38,13 @@ from ._lineage import Lineage
 from ._producer import Puller
 from ._producer_thread import produce
 from ._source_checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
-from ._staging_cuda import CudaStaging
+from ._staging.cuda import CudaStaging
 from ._warn import warn
 
 if TYPE_CHECKING:
     from ._profile import StallRecorder
     from ._settings import Settings
-    from ._staging_base import Staging
+    from ._staging.base import Staging
 
 T = TypeVar("T")
 

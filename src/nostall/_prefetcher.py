@@ -25,8 +25,8 @@ from ._source_checks import (
     warn_about_epochs,
     warn_inexact_resume,
 )
-from ._staging import staging_for
-from ._staging_base import Staging
+from ._staging.base import Staging
+from ._staging.choose import staging_for
 
 T = TypeVar("T")
 
@@ -118,7 +118,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
           previous iteration, and its first ``next()`` waits for the previous producer to end.
         * On CUDA, one copy stream per prefetcher; each batch is handed out only after the
           consumer's current stream waits on the batch's copy event, and its tensors are
-          ``record_stream``-ed on that stream (see :class:`~nostall._staging_cuda.CudaStaging`).
+          ``record_stream``-ed on that stream (see :class:`~nostall._staging.cuda.CudaStaging`).
         * An error in the source or in the transfer reaches the consumer after every batch
           before it, as the same exception object with a note of where it happened.
         * The producer holds no reference to the prefetcher or the iteration: dropping the

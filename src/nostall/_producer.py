@@ -25,7 +25,7 @@ from ._exceptions import noted
 from ._exit import ThreadLetGo
 from ._skip import TakenAhead
 from ._stacks import stuck_at
-from ._staging_base import Staged, Staging
+from ._staging.base import Staged, Staging
 from ._torch_compat import dead_workers_behind
 
 #: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.

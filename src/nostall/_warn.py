@@ -9,7 +9,7 @@ the user's line (or a framework's, where a framework calls nostall).
 In a thread nostall started (the producer, the loading threads) no frame is the user's: above
 nostall's frames there is only ``threading``'s bootstrap. There the warning names the line in
 nostall that raised it, which at least says what nostall was doing. Warnings about a batch are
-raised where the consumer takes it instead, when nostall can (:mod:`nostall._staging_cuda`).
+raised where the consumer takes it instead, when nostall can (:mod:`nostall._staging.cuda`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-import nostall._copy_streams
+import nostall._staging.copy_streams
 
 from ._hazards import Kind
 from ._simulation import SimEvent, SimStream, active, device_index
@@ -302,7 +302,9 @@ def replacements() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "record_stream", _record_stream),
     ]
     # Streams nostall lends to its prefetchers belong to one (simulated) CUDA world.
-    out.append((nostall._copy_streams, "LENDER", nostall._copy_streams.CopyStreams()))
+    out.append(
+        (nostall._staging.copy_streams, "LENDER", nostall._staging.copy_streams.CopyStreams())
+    )
     for name in _FACTORIES:
         out.append((torch, name, _factory(getattr(torch, name), name)))
     for name in ("tensor", "as_tensor"):

@@ -3,7 +3,7 @@
 The public helpers :func:`to_device` and :func:`pin_memory` work on any nested batch;
 :func:`upload` copies a small tensor without a host sync; :func:`record_stream` protects a
 tensor's memory (sparse and nested ones included) for a stream. A prefetcher's staging
-(:mod:`nostall._staging_base`, :mod:`nostall._staging_cuda`) is built from them.
+(:mod:`nostall._staging.base`, :mod:`nostall._staging.cuda`) is built from them.
 """
 
 from __future__ import annotations

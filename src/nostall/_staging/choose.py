@@ -6,8 +6,8 @@ in four ordered steps on CUDA::
     pin -> copy -> transform (and its checkpoint) -> ready event
 
 and handed out in the consumer thread. The steps every device shares, and the devices that
-need no streams, are in :mod:`nostall._staging_base`; CUDA's streams, events and pinning in
-:mod:`nostall._staging_cuda`.
+need no streams, are in :mod:`nostall._staging.base`; CUDA's streams, events and pinning in
+:mod:`nostall._staging.cuda`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ._staging_base import ConsumerThreadStaging, Staging
-from ._staging_cuda import CudaStaging
+from .base import ConsumerThreadStaging, Staging
+from .cuda import CudaStaging
 
 
 def staging_for(device: torch.device, pin: bool, transform: Callable[[Any], Any] | None) -> Staging:

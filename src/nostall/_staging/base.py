@@ -7,7 +7,7 @@ A batch goes through staging between the source and the consumer::
 :class:`Staging` runs them in the producer thread (the CPU, XPU, ...: devices that need no
 stream handling); :class:`ConsumerThreadStaging` runs them at hand-out, in the consumer's
 thread (MPS). CUDA adds pinning, a copy stream and a ready event
-(:mod:`nostall._staging_cuda`); :func:`nostall._staging.staging_for` picks one per device.
+(:mod:`nostall._staging.cuda`); :func:`nostall._staging.choose.staging_for` picks one per device.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._transform_state import stateful
-from .cuda._transfer import call_to
-from .cuda._tree import map_tensors
+from .._transform_state import stateful
+from ..cuda._transfer import call_to
+from ..cuda._tree import map_tensors
 
 #: A warning found while staging a batch: its key (once per process) and its message.
 DueWarning = tuple[tuple[str, type], str]
@@ -38,7 +38,7 @@ class Staged(NamedTuple):
     #: checkpoint taken after handing this batch out must hold.
     transform_state: Any = None
     #: Warnings about this batch's objects, raised when it is handed out
-    #: (:func:`nostall._staging_cuda._warn_due`).
+    #: (:func:`nostall._staging.cuda._warn_due`).
     due: tuple[DueWarning, ...] = ()
 
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from . import _copy_streams
-from ._staging_base import DueWarning, Staged, Staging
-from ._warn import warn
-from .cuda._transfer import call_pin_memory, call_to, compact, record_stream
-from .cuda._tree import UNHANDLED, iter_tensors, map_tensors
+from .._warn import warn
+from ..cuda._transfer import call_pin_memory, call_to, compact, record_stream
+from ..cuda._tree import UNHANDLED, iter_tensors, map_tensors
+from . import copy_streams as _copy_streams
+from .base import DueWarning, Staged, Staging
 
 
 class CudaStaging(Staging):
@@ -41,7 +41,7 @@ class CudaStaging(Staging):
           the copy stream, which waits for the source stream, and never on another device.
         * One copy stream per instance, borrowed here and never replaced (streams per epoch would
           grow reserved memory), and lent to the next staging once this one is collected
-          (:mod:`nostall._copy_streams`): prefetchers made one after another share its pool.
+          (:mod:`nostall._staging.copy_streams`): prefetchers made one after another share its pool.
         * A batch is handed out only after the consumer's current stream waits on the event
           recorded after its copies and transforms, so no kernel can read it early. When the
           source put tensors on the device, the copy stream first waits for the stream they
