@@ -1,7 +1,7 @@
 """What watching a source for draws from the global random generators costs.
 
 nostall judges one pull per prefetcher (an epoch's second batch) by comparing the global
-generators' states around it (``nostall._global_draws``); until then, and for good if the
+generators' states around it (``nostall._sources.global_draws``); until then, and for good if the
 source draws, it pulls in step with the loop. This prints, each as a median with its spread:
 
 * ``snapshot``: one reading of every global generator, and of each alone (torch's CPU
@@ -95,7 +95,7 @@ class Slow:
 
 def loop_s(watched: bool, load_s: float = 0.005, step_s: float = 0.005) -> float:
     """Seconds for a prefetched loop over :class:`Slow`, its source watched or not."""
-    from nostall._global_draws import unwatched
+    from nostall._sources.global_draws import unwatched
 
     start = time.perf_counter()
     if watched:
@@ -122,7 +122,7 @@ def main() -> None:
         return
     import numpy as np
 
-    from nostall._generators import moved, snapshot
+    from nostall._sources.generators import moved, snapshot
 
     np.random.rand()
     first = snapshot()

@@ -667,7 +667,7 @@ def test_a_dispatcher_in_a_distributed_run_is_refused(monkeypatch: pytest.Monkey
     """Each DataLoaderDispatcher batch is a collective: it must not be pulled in a thread."""
     from accelerate.data_loader import DataLoaderDispatcher
 
-    from nostall import _source_checks
+    from nostall._sources import checks as _source_checks
 
     Accelerator(cpu=True)
     dispatcher = DataLoaderDispatcher(Indexed(), batch_size=2)

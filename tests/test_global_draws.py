@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 import nostall
 from nostall import PrefetchTimeoutError
-from nostall._generators import CUDA, NUMPY, PYTHON, TORCH, Trial, moved, snapshot
-from nostall._global_draws import DrawWatch, GlobalDrawsWarning
-from nostall._sources import classify
+from nostall._sources.generators import CUDA, NUMPY, PYTHON, TORCH, Trial, moved, snapshot
+from nostall._sources.global_draws import DrawWatch, GlobalDrawsWarning
+from nostall._sources.sources import classify
 
 SAMPLES, FEATURES = 48, 8
 
@@ -437,7 +437,7 @@ class SlowDrawing(Dataset[torch.Tensor]):
         return torch.rand(1)
 
 
-@pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+@pytest.mark.filterwarnings("ignore::nostall._sources.global_draws.GlobalDrawsWarning")
 def test_draws_of_a_loop_that_caught_a_timeout_are_never_put_back() -> None:
     """With timeout=, next() may return (PrefetchTimeoutError) and the loop draws meanwhile.
 

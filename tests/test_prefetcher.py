@@ -437,7 +437,7 @@ def _iterate_in_threads(p: Any, loops: int, also: Callable[[], None] = lambda: N
 
 # One thread's iter(loader) draws the DataLoader's base seed from torch's generator while the
 # other's first pull is watched for draws: that thread's source reads as drawing.
-@pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+@pytest.mark.filterwarnings("ignore::nostall._sources.global_draws.GlobalDrawsWarning")
 def test_two_threads_iterating_one_prefetcher_are_told_what_happened() -> None:
     """iter() in two threads at once: the loser hears of the newer iteration, never "a bug"."""
     errors = []

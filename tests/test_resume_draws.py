@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import nostall
 
-pytestmark = pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::nostall._sources.global_draws.GlobalDrawsWarning")
 
 
 class Rows(Dataset[torch.Tensor]):

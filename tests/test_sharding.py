@@ -13,7 +13,8 @@ from helpers import as_dataset, assert_torchrun_finished, run_torchrun
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 import nostall
-from nostall import _sharding, _source_checks
+from nostall._sources import checks as _source_checks
+from nostall._sources import sharding as _sharding
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:

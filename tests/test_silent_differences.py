@@ -196,7 +196,7 @@ class NoisyStream(IterableDataset[torch.Tensor]):
             yield torch.tensor([float(i)]) + torch.rand(1)
 
 
-@pytest.mark.filterwarnings("ignore::nostall._global_draws.GlobalDrawsWarning")
+@pytest.mark.filterwarnings("ignore::nostall._sources.global_draws.GlobalDrawsWarning")
 @pytest.mark.parametrize("stream", [False, True], ids=["map-style", "iterable"])
 def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(stream: bool) -> None:
     def loader() -> DataLoader[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""What a source is: decided once, by ``nostall._sources.classify``, and nowhere else."""
+"""What a source is: decided once, by ``nostall._sources.sources.classify``, and nowhere else."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers import as_dataset
 from torch.utils.data import DataLoader, IterableDataset
 
 import nostall
-from nostall._sources import Client, classify
+from nostall._sources.sources import Client, classify
 
 PACKAGE = Path(nostall.__file__).parent
 
@@ -23,7 +23,7 @@ _TYPE_QUESTIONS = re.compile(
     r"|issubclass\(type\("
     r"|\b(is_prepared_shard|is_fabric_loader|prepared_loader_types|is_dispatcher)\("
 )
-_RECOGNISERS = {"_sources.py", "_clients/fabric.py", "_clients/accelerate.py"}
+_RECOGNISERS = {"_sources/sources.py", "_clients/fabric.py", "_clients/accelerate.py"}
 
 
 def test_no_module_but_sources_asks_what_a_source_is() -> None:

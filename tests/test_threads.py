@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import nostall
 from nostall._epochs import EpochSource
-from nostall._global_draws import unwatched
 from nostall._pool import Pool
 from nostall._skip import skip_ahead
+from nostall._sources.global_draws import unwatched
 from nostall._threads import ThreadedEpoch, sample_seed
 
 

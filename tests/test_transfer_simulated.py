@@ -1108,7 +1108,7 @@ def test_canary_the_consumer_waits_only_for_its_own_batch(
     with contextlib.closing(p), torch.cuda.stream(stream):
         for i in range(len(data)):
             # The first two batches are pulled in step with the loop while nostall checks
-            # the source for global random draws (nostall._global_draws); then the producer
+            # the source for global random draws (nostall._sources.global_draws); then the producer
             # runs ahead, and the next batch is staged before this one is taken.
             if i >= 2:
                 staged.wait_for(min(i + 2, len(data)))

@@ -35,16 +35,11 @@ from simcuda import simulated_cuda
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
-from nostall import (
-    PrefetchTimeoutError,
-    _device,
-    _latest_producer,
-    _pool,
-    _sharding,
-    _source_checks,
-)
+from nostall import PrefetchTimeoutError, _device, _latest_producer, _pool
 from nostall._epochs import EpochSource
-from nostall._global_draws import GlobalDrawsWarning, unwatched
+from nostall._sources import checks as _source_checks
+from nostall._sources import sharding as _sharding
+from nostall._sources.global_draws import GlobalDrawsWarning, unwatched
 from nostall._staging import cuda as _staging_cuda
 from nostall._warn import warn
 

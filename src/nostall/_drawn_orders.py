@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._clients.fabric import IterCount
-from ._samplers import capture_rng, generators_of, sampler_epoch_of
+from ._sources.samplers import capture_rng, generators_of, sampler_epoch_of
 from ._torch_compat import live_iterator
 
 #: Epochs before the latest one opened whose records are kept: the producer may open several

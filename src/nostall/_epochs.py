@@ -24,13 +24,13 @@ import torch
 from ._clients.accelerate import ShardMirror
 from ._clients.fabric import IterCount
 from ._drawn_orders import DrawnOrders
-from ._generators import HandBack, Saved
-from ._global_draws import DrawWatch
 from ._pacing import Pacer
 from ._pool import Pool
-from ._samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from ._skip import TakenAhead, skip_ahead
-from ._sources import Client, classify
+from ._sources.generators import HandBack, Saved
+from ._sources.global_draws import DrawWatch
+from ._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
+from ._sources.sources import Client, classify
 from ._threadable import warn_unseeded_threads
 from ._threaded_stream import ThreadedStream
 from ._threads import ThreadedEpoch
@@ -69,7 +69,7 @@ class EpochSource:
         transform: bool = False,
         timeout: float | None = None,
     ) -> None:
-        #: What the source is, and the source itself (:mod:`nostall._sources`).
+        #: What the source is, and the source itself (:mod:`nostall._sources.sources`).
         self.kind = classify(source)
         #: Whether the source draws from the global generators; pulled in step while it may.
         self.draws = DrawWatch(self.kind, threads=threads, transform=transform, timeout=timeout)

@@ -37,7 +37,7 @@ from ._exit import track
 from ._lineage import Lineage
 from ._producer import Puller
 from ._producer_thread import produce
-from ._source_checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
+from ._sources.checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
 from ._staging.cuda import CudaStaging
 from ._warn import warn
 

@@ -18,7 +18,7 @@ from ._epochs import EpochSource
 from ._latest_producer import LatestProducer
 from ._producer import Puller
 from ._resume import Position
-from ._samplers import readable_epoch
+from ._sources.samplers import readable_epoch
 from ._warn import warn
 
 

@@ -16,15 +16,15 @@ from ._lineage import Lineage
 from ._loader_attributes import LoaderAttributes
 from ._profile import StallRecorder, StallReport
 from ._resume import loaded_position, state_of, uncounts
-from ._samplers import forward_set_epoch as _forward_set_epoch
 from ._settings import Settings
-from ._sharding import sharded_copy
-from ._source_checks import (
+from ._sources.checks import (
     describe,
     refuse_unsupported,
     warn_about_epochs,
     warn_inexact_resume,
 )
+from ._sources.samplers import forward_set_epoch as _forward_set_epoch
+from ._sources.sharding import sharded_copy
 from ._staging.base import Staging
 from ._staging.choose import staging_for
 

@@ -65,7 +65,7 @@ class Puller:
           set the epoch is marked ``STALE`` and never handed out.
         * While ``epochs.draws.in_step`` (a source that may draw from the global generators),
           nothing is pulled before the consumer asks for it (``wanted``), so the source's
-          draws keep their place among the loop's own (see :mod:`nostall._global_draws`).
+          draws keep their place among the loop's own (see :mod:`nostall._sources.global_draws`).
     """
 
     def __init__(
@@ -134,7 +134,7 @@ class Puller:
     def pull(self) -> Message:
         """Take the next batch from the source and stage it; the caller holds ``pull_lock``.
 
-        In step with the loop (see :mod:`nostall._global_draws`), the pull is watched for
+        In step with the loop (see :mod:`nostall._sources.global_draws`), the pull is watched for
         draws from the global generators, and the next one waits for the loop to ask.
         """
         draws = self.epochs.draws

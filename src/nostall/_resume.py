@@ -31,7 +31,7 @@ import torch
 from ._arguments import kind, received
 from ._clients.fabric import check_count
 from ._epochs import AS_BUILT, EpochSource
-from ._samplers import describe_order
+from ._sources.samplers import describe_order
 from ._transform_state import StatefulTransform
 
 #: Version of the state format written by ``Prefetcher.state_dict``.

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from . import _arguments as check
 from ._device import DeviceLike
-from ._sharding import check_shardable
+from ._sources.sharding import check_shardable
 from ._threadable import check_threadable
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ._clients.fabric import fabric_over
-from ._sources import classify
+from ._sources.sources import classify
 from ._torch_compat import copy_loader
 
 

@@ -44,9 +44,9 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ._generators import Snapshot, moved, snapshot
-from ._global_draws import unwatched
 from ._prefetcher import prefetch
+from ._sources.generators import Snapshot, moved, snapshot
+from ._sources.global_draws import unwatched
 from ._thread_bound import FIX
 from ._torch_compat import auto_collation
 
@@ -80,7 +80,7 @@ class ThreadSafety:
     #: For "agreed": how many times the threads loaded the samples.
     passes: int = 0
     #: For "random": the global generators the one-thread load drew from (``tune`` does not
-    #: try threads then: they would change the draws, see :mod:`nostall._global_draws`).
+    #: try threads then: they would change the draws, see :mod:`nostall._sources.global_draws`).
     drew: tuple[str, ...] = ()
     #: For "raised": one loading thread alone raised, where the calling thread loaded the same
     #: samples: the dataset works only in the thread that built it (not a race between threads).

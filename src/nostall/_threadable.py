@@ -8,7 +8,7 @@ from typing import Any
 from ._clients.accelerate import unthreadable_shard
 from ._clients.fabric import threads_refusal
 from ._clients.transformers import is_trainer_seed_worker
-from ._sources import Client, classify
+from ._sources.sources import Client, classify
 from ._threads import MAX_THREADS
 from ._warn import warn
 

@@ -17,7 +17,7 @@ Invariants:
       seed, from ``loader.generator``. Worker w's generators (``torch.thread_safe_generator()``,
       ``get_worker_info().rng``) are seeded ``base_seed + w``, as torch seeds worker w.
     * While ``inline()`` (a dataset that may draw from the global generators, see
-      :mod:`nostall._global_draws`) the consumer's thread advances each worker's iterator in
+      :mod:`nostall._sources.global_draws`) the consumer's thread advances each worker's iterator in
       turn itself, so that such draws keep the plain loop's order; the threads start only once
       it is False (for the rest of the epoch, each worker's iterator goes on in its thread).
     * Each worker's thread keeps at most one finished batch waiting (and one being made): what

@@ -19,7 +19,7 @@ Invariants:
       augmentation drawn from it does not depend on the thread or on N, and runs repeat.
       Python's ``random``, ``np.random`` and torch's global generator stay shared by all
       threads: while ``inline()`` (a dataset that may draw from them, see
-      :mod:`nostall._global_draws`) the samples are loaded one at a time in the thread that
+      :mod:`nostall._sources.global_draws`) the samples are loaded one at a time in the thread that
       asks for the batch, in order, so that such draws stay the plain loop's. On a
       ``trial()`` (not known yet whether they draw) the threads fetch them, and all of the
       trial's samples are judged before ``next()`` returns: if they drew, the generators
@@ -62,9 +62,9 @@ from torch.utils.data import DataLoader
 
 from ._exceptions import add_note
 from ._exit import ThreadLetGo
-from ._generators import Trial
-from ._global_draws import quiet_after_start
 from ._pool import Pool, SampleFuture
+from ._sources.generators import Trial
+from ._sources.global_draws import quiet_after_start
 from ._stacks import stuck_at
 from ._torch_compat import (
     answer_worker_info_per_thread,
@@ -148,8 +148,8 @@ class ThreadedEpoch(Iterator[Any]):
 
         ``inline()``: load the samples of the batches started now one at a time in the calling
         thread (a dataset that may draw from the global generators: see
-        :mod:`nostall._global_draws`). ``trial()``, asked while ``inline()``: a
-        :class:`~nostall._generators.Trial` to fetch them on with the threads instead (not
+        :mod:`nostall._sources.global_draws`). ``trial()``, asked while ``inline()``: a
+        :class:`~nostall._sources.generators.Trial` to fetch them on with the threads instead (not
         known yet whether they draw), or None.
         """
         self.inline, self.trial = inline, trial
@@ -281,7 +281,7 @@ class ThreadedEpoch(Iterator[Any]):
         So that N threads fetch at once from the first batch on (``batch_size=1`` too). Counted,
         not timed (unlike :meth:`_start_for_idle_threads`): the trial waits for all its samples,
         which must be able to finish together whatever the timing. Only after a sampler that
-        draws nothing past its start (:func:`~nostall._global_draws.quiet_after_start`).
+        draws nothing past its start (:func:`~nostall._sources.global_draws.quiet_after_start`).
         """
         if not self.quiet_ahead:
             return

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ._global_draws import unreported
 from ._prefetcher import prefetch
+from ._sources.global_draws import unreported
 from .cuda._timing import synchronize
 from .cuda._transfer import to_device
 from .cuda._tree import batch_size_of

@@ -25,8 +25,8 @@ from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
-from ._global_draws import draws_of
-from ._sources import classify
+from ._sources.global_draws import draws_of
+from ._sources.sources import classify
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
 from ._threadable import check_threadable

@@ -12,7 +12,7 @@ True at the wrong step.
 On one process, a ``DataLoaderDispatcher`` (accelerate's default over an ``IterableDataset``,
 so Trainer's over a streaming train set) has the same effects, set at the same points of its
 iteration, and is mirrored the same way. In a distributed run it is refused instead
-(:func:`nostall._source_checks.refuse_unsupported`): each of its batches is a collective call.
+(:func:`nostall._sources.checks.refuse_unsupported`): each of its batches is a collective call.
 
 So nostall iterates a *shadow*: a second object of the prepared loader's type sharing the real
 one's loader, sampler and settings, whose gradient state is a private stand-in. What the shadow's

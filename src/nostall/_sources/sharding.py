@@ -21,8 +21,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ._sources import classify
-from ._torch_compat import copy_loader
+from .._torch_compat import copy_loader
+from .sources import classify
 
 
 def distributed_world() -> tuple[int, int] | None:

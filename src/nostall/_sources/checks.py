@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ._clients.accelerate import accelerate_is_active
-from ._samplers import has_unreadable_set_epoch
-from ._sharding import distributed_world, is_sharded, unsharded_warning
-from ._sources import Client, SourceKind
-from ._warn import warn
-from ._webdataset import shuffle_warning, unreplayable_shuffles
+from .._clients.accelerate import accelerate_is_active
+from .._warn import warn
+from .samplers import has_unreadable_set_epoch
+from .sharding import distributed_world, is_sharded, unsharded_warning
+from .sources import Client, SourceKind
+from .webdataset import shuffle_warning, unreplayable_shuffles
 
 
 def describe(source: object) -> str:

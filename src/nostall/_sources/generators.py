@@ -4,7 +4,7 @@ torch's CPU generator, torch.cuda's (once CUDA is initialised), Python's ``rando
 ``np.random`` (once NumPy is imported) are each one stream shared by every thread of the
 process. :func:`snapshot` and :func:`moved` tell whether anything drew between two moments;
 a :class:`Trial` also puts them back. What a prefetcher does with that is
-:mod:`nostall._global_draws`'s.
+:mod:`nostall._sources.global_draws`'s.
 """
 
 from __future__ import annotations

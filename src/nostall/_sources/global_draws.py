@@ -16,14 +16,14 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   while the loop waits), so every draw happens where the plain loop makes it. Under
   ``threads=N`` (N > 1) that batch's samples (and, after a sampler known to draw only when
   it starts, the next batches' while fewer than N samples are in flight) are fetched by the
-  N threads on trial (:class:`~nostall._generators.Trial`): the generators' states are
+  N threads on trial (:class:`~nostall._sources.generators.Trial`): the generators' states are
   saved first and compared once every sample returned. Nothing moved: the samples drew
   nothing, so when they ran does not matter. Something moved: the generators are put back,
   the samples are fetched again one at a time, in order, in the pulling thread, and the
   source is in step for good (the cost: those samples fetched twice). Known to draw, its
   samples are loaded that way from then on.
 * A pull is judged: the global generators' states are compared before and after it
-  (:mod:`nostall._generators`). An epoch's first pull is judged only where the source is
+  (:mod:`nostall._sources.generators`). An epoch's first pull is judged only where the source is
   known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
   generator of its own): a ``RandomSampler`` without a generator draws its order there, as an
   iterable may, once per epoch, at the same point as in the plain loop. Nothing moved: the
@@ -64,10 +64,10 @@ from torch.utils.data import (
     default_convert,
 )
 
-from ._generators import Trial, moved, snapshot
-from ._sources import SourceKind
-from ._torch_compat import index_sampler
-from ._warn import warn
+from .._torch_compat import index_sampler
+from .._warn import warn
+from .generators import Trial, moved, snapshot
+from .sources import SourceKind
 
 M = TypeVar("M")
 

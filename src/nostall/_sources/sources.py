@@ -31,8 +31,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, IterDataPipe
 
-from ._clients.accelerate import is_dispatcher, is_prepared_shard, prepared_loader_types
-from ._clients.fabric import fabric_inner_loader, is_fabric_loader
+from .._clients.accelerate import is_dispatcher, is_prepared_shard, prepared_loader_types
+from .._clients.fabric import fabric_inner_loader, is_fabric_loader
 
 
 class Client(enum.Enum):

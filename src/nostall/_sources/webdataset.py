@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ._sources import classify
+from .sources import classify
 
 
 def unreplayable_shuffles(source: object, epoch: int, handed_out: int) -> list[str]:

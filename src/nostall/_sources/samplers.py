@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._sources import classify
+from .sources import classify
 
 
 def set_epoch_targets(source: object) -> list[object]:
