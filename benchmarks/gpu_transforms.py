@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import nostall
 from nostall import transforms as T
-from nostall._collate import collate_uint8
+from nostall._loading.collate import collate_uint8
 from nostall.bench._workloads import SyntheticImages, train_step
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

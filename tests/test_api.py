@@ -119,7 +119,7 @@ ENGINE = (
     "_latest_producer.py",
     "_producer.py",
     "_channel.py",
-    "_pacing.py",
+    "_loading/pacing.py",
     "_epochs.py",
     "_drawn_orders.py",
     "_staging/base.py",

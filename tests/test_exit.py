@@ -323,7 +323,7 @@ entered = threading.Event()
 class Augment(torch.utils.data.Dataset):
     # Samples 0 and 1 are quick; every later one runs short torch ops (which release the GIL)
     # forever, as a long augmentation still running when the script ends. (Under threads=2 the
-    # first batch waits for the 2 samples fetched on trial: see nostall._threads.)
+    # first batch waits for the 2 samples fetched on trial: see nostall._loading.threads.)
     def __len__(self):
         return 1000
     def __getitem__(self, i):

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 import nostall
 from nostall._channel import Channel
 from nostall._exceptions import PrefetchTimeoutError
-from nostall._pacing import WINDOW, Pacer
+from nostall._loading.pacing import WINDOW, Pacer
 
 
 def paced(step: float, pull: float, last: float = 1000.0) -> Pacer:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from helpers import refused_thread_starts, wait_until
 
-from nostall._pool import Pool
+from nostall._loading.pool import Pool
 
 
 def test_pool_task_without_a_thread_gets_the_os_error() -> None:

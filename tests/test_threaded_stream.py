@@ -268,7 +268,7 @@ def test_a_pinning_error_comes_at_its_turn_and_the_worker_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An error after the dataset (pinning) is that batch's, as torch's pin thread raises it."""
-    import nostall._threaded_stream as module
+    import nostall._loading.threaded_stream as module
 
     def pin(batch: torch.Tensor) -> torch.Tensor:
         if batch[0, 1].item() == 2 and batch[0, 0].item() == 1:

@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import nostall
 from nostall._epochs import EpochSource
-from nostall._pool import Pool
+from nostall._loading.pool import Pool
+from nostall._loading.threads import ThreadedEpoch, sample_seed
 from nostall._skip import skip_ahead
 from nostall._sources.global_draws import unwatched
-from nostall._threads import ThreadedEpoch, sample_seed
 
 
 class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -35,8 +35,9 @@ from simcuda import simulated_cuda
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
-from nostall import PrefetchTimeoutError, _device, _latest_producer, _pool
+from nostall import PrefetchTimeoutError, _device, _latest_producer
 from nostall._epochs import EpochSource
+from nostall._loading import pool as _pool
 from nostall._sources import checks as _source_checks
 from nostall._sources import sharding as _sharding
 from nostall._sources.global_draws import GlobalDrawsWarning, unwatched

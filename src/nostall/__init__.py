@@ -61,7 +61,6 @@ names the user's line.
 import types as _types
 
 from . import cuda, transforms
-from ._collate import collate_uint8
 from ._exceptions import (
     DeviceUnavailableError,
     NostallError,
@@ -70,6 +69,7 @@ from ._exceptions import (
     ProducerDiedError,
     ProfilingDisabledError,
 )
+from ._loading.collate import collate_uint8
 from ._prefetcher import Prefetcher, prefetch
 from ._profile import Profiled, StallReport, profile
 from ._thread_safety import ThreadSafety

@@ -40,7 +40,7 @@ class HandOffObserver(Protocol):
     """Told of the consumer's hand-offs, in the consumer's thread (a threaded epoch's pacer).
 
     The channel calls it and knows nothing more of it: the loading threads it paces stay out of
-    the hand-off (:class:`nostall._pacing.Pacer` is the one there is).
+    the hand-off (:class:`nostall._loading.pacing.Pacer` is the one there is).
     """
 
     def handed_off(self) -> None:
@@ -141,7 +141,8 @@ class Channel:
         self.wake = threading.Event()
         #: The producer thread; the consumer reports its death instead of waiting forever.
         self.thread: threading.Thread | None = None
-        #: Paces the producer of a threaded epoch (see :mod:`nostall._pacing`); None: unpaced.
+        #: Told of each hand-off: a threaded epoch's pacer (see :class:`HandOffObserver`); None:
+        #: unpaced.
         self.pacer = pacer
 
     # -- producer side -------------------------------------------------------------------------

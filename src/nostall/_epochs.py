@@ -24,16 +24,16 @@ import torch
 from ._clients.accelerate import ShardMirror
 from ._clients.fabric import IterCount
 from ._drawn_orders import DrawnOrders
-from ._pacing import Pacer
-from ._pool import Pool
+from ._loading.pacing import Pacer
+from ._loading.pool import Pool
+from ._loading.threadable import warn_unseeded_threads
+from ._loading.threaded_stream import ThreadedStream
+from ._loading.threads import ThreadedEpoch
 from ._skip import TakenAhead, skip_ahead
 from ._sources.generators import HandBack, Saved
 from ._sources.global_draws import DrawWatch
 from ._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from ._sources.sources import Client, classify
-from ._threadable import warn_unseeded_threads
-from ._threaded_stream import ThreadedStream
-from ._threads import ThreadedEpoch
 from ._torch_compat import live_iterator
 
 
@@ -76,7 +76,8 @@ class EpochSource:
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)
-        #: Paces the pulls of loading threads, over every epoch (see :mod:`nostall._pacing`).
+        #: Paces the pulls of loading threads, over every epoch (see
+        #: :mod:`nostall._loading.pacing`).
         self.pacer = None if threads is None else Pacer()
         #: Batches a threaded epoch may start ahead: the current channel's free slots.
         self.room: Callable[[], int] = lambda: 0

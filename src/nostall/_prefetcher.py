@@ -70,11 +70,11 @@ def prefetch(
             (``False``); or warn that every rank loads all the data (``None``, the default).
         threads: load a ``DataLoader``'s samples with this many threads in this process,
             instead of worker processes: the loader's dataset, sampler and ``collate_fn``, the
-            same batches in the same order (see :mod:`nostall._threads`). The loader must be
+            same batches in the same order (see :mod:`nostall._loading.threads`). The loader must be
             built with ``num_workers=0``; over a map-style dataset its ``__getitem__`` must be
             safe to call from several threads at once (``nostall doctor`` checks it); over an
             ``IterableDataset`` the threads read it as N worker processes would
-            (:mod:`nostall._threaded_stream`).
+            (:mod:`nostall._loading.threaded_stream`).
     """
     return Prefetcher(
         source,

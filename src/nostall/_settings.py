@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from . import _arguments as check
 from ._device import DeviceLike
+from ._loading.threadable import check_threadable
 from ._sources.sharding import check_shardable
-from ._threadable import check_threadable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ def skip_ahead(
     anything else is pulled and dropped. (A loader with persistent workers keeps one iterator,
     and its draws, across epochs: a copy would make its next epoch draw differently, so it is
     pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
-    :class:`~nostall._threads.ThreadedEpoch`). ``started()`` is called once the skipped
+    :class:`~nostall._loading.threads.ThreadedEpoch`). ``started()`` is called once the skipped
     batches (and a sampler's start) drew what they draw, before the next batch's samples load
     (with no batch to skip, never).
     """

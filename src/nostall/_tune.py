@@ -25,11 +25,11 @@ from . import _arguments
 from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_data_device
 from ._exceptions import ConfigurationError
+from ._loading.threadable import check_threadable
 from ._sources.global_draws import draws_of
 from ._sources.sources import classify
 from ._thread_bound import FIX
 from ._thread_safety import ThreadSafety, check_thread_safety
-from ._threadable import check_threadable
 from ._trial import LOADER_KNOBS as LOADER_KNOBS
 from ._trial import YOURS as YOURS
 from ._trial import Factory as Factory

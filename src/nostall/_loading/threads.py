@@ -40,7 +40,7 @@ Invariants:
     * A sample's error is raised, as the same exception object with a note naming the index
       and the thread, by the ``next()`` of its batch, after every batch before it; the epoch
       goes on with the next batch, as a ``DataLoader``'s does.
-    * The samples are fetched by a :class:`~nostall._pool.Pool`, whose threads start when
+    * The samples are fetched by a :class:`~nostall._loading.pool.Pool`, whose threads start when
       work arrives and end when idle; the work of an epoch that is dropped is skipped.
 """
 
@@ -60,19 +60,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ._exceptions import add_note
-from ._exit import ThreadLetGo
-from ._pool import Pool, SampleFuture
-from ._sources.generators import Trial
-from ._sources.global_draws import quiet_after_start
-from ._stacks import stuck_at
-from ._torch_compat import (
+from .._exceptions import add_note
+from .._exit import ThreadLetGo
+from .._sources.generators import Trial
+from .._sources.global_draws import quiet_after_start
+from .._stacks import stuck_at
+from .._torch_compat import (
     answer_worker_info_per_thread,
     auto_collation,
     index_sampler,
     loading_thread_info,
     pinning_like,
 )
+from .pool import Pool, SampleFuture
 
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
 POLL_S = 0.1

@@ -48,11 +48,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ._exceptions import add_note
-from ._exit import ThreadLetGo
-from ._pool import Pool
-from ._threads import POLL_S, SampleRng
-from ._torch_compat import (
+from .._exceptions import add_note
+from .._exit import ThreadLetGo
+from .._torch_compat import (
     answer_worker_info_per_thread,
     auto_collation,
     index_sampler,
@@ -60,6 +58,8 @@ from ._torch_compat import (
     pinning_like,
     worker_info_asked,
 )
+from .pool import Pool
+from .threads import POLL_S, SampleRng
 
 
 class NotSplitError(ValueError):

@@ -1,9 +1,9 @@
 """The pool of loading threads that ``threads=`` fetches samples with.
 
-A :class:`Pool` runs tasks (one sample's fetch, see :mod:`nostall._threads`) in the order they
-were submitted, on at most ``size`` threads, started when work arrives and ended when idle, so
-that ``break``, ``close()`` or an epoch's end leaves no thread behind for long. Its invariants
-are in its docstring.
+A :class:`Pool` runs tasks (one sample's fetch, see :mod:`nostall._loading.threads`) in the
+order they were submitted, on at most ``size`` threads, started when work arrives and ended
+when idle, so that ``break``, ``close()`` or an epoch's end leaves no thread behind for long.
+Its invariants are in its docstring.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
-from . import _exit
-from ._exceptions import add_note
-from ._exit import ThreadLetGo, track
-from ._stacks import short
-from ._warn import warn
+from .. import _exit
+from .._exceptions import add_note
+from .._exit import ThreadLetGo, track
+from .._stacks import short
+from .._warn import warn
 
 #: Seconds a loading thread waits for work before it ends.
 IDLE_S = 0.2

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from ._arguments import kind
-from ._torch_compat import empty_shared_uint8
+from .._arguments import kind
+from .._torch_compat import empty_shared_uint8
 
 _CHANNELS = (1, 3, 4)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._clients.accelerate import unthreadable_shard
-from ._clients.fabric import threads_refusal
-from ._clients.transformers import is_trainer_seed_worker
-from ._sources.sources import Client, classify
-from ._threads import MAX_THREADS
-from ._warn import warn
+from .._clients.accelerate import unthreadable_shard
+from .._clients.fabric import threads_refusal
+from .._clients.transformers import is_trainer_seed_worker
+from .._sources.sources import Client, classify
+from .._warn import warn
+from .threads import MAX_THREADS
 
 _UNDER_TRAINER = "; under Hugging Face Trainer: TrainingArguments(dataloader_num_workers=0)"
 
@@ -19,8 +19,9 @@ def check_threadable(source: object, threads: object) -> int | None:
     """``threads`` as given to ``prefetch``: None, or an int >= 1 over a DataLoader.
 
     A DataLoader over a map-style dataset has its samples fetched by index
-    (:class:`~nostall._threads.ThreadedEpoch`); one over an ``IterableDataset`` is iterated by
-    N threads as by N workers (:class:`~nostall._threaded_stream.ThreadedStream`).
+    (:class:`~nostall._loading.threads.ThreadedEpoch`); one over an ``IterableDataset`` is
+    iterated by N threads as by N workers
+    (:class:`~nostall._loading.threaded_stream.ThreadedStream`).
 
     Raises:
         TypeError: ``threads`` is not an int, or the source is not a ``DataLoader`` (an
