@@ -120,8 +120,8 @@ ENGINE = (
     "_producer.py",
     "_channel.py",
     "_loading/pacing.py",
-    "_epochs.py",
-    "_drawn_orders.py",
+    "_epochs/epochs.py",
+    "_epochs/drawn_orders.py",
     "_staging/base.py",
     "_staging/cuda.py",
 )

@@ -12,7 +12,7 @@ from helpers import as_dataset
 from torch.utils.data import DataLoader
 
 from nostall._channel import Channel
-from nostall._epochs import AS_BUILT, EpochSource
+from nostall._epochs.epochs import AS_BUILT, EpochSource
 from nostall._lineage import Lineage
 from nostall._producer import Puller
 from nostall._staging.base import Staging

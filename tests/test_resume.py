@@ -15,8 +15,8 @@ import torch
 from helpers import CountingTransform, as_dataset
 from torch.utils.data import DataLoader, IterableDataset
 
-from nostall._epochs import AS_BUILT, EpochSource
-from nostall._resume import (
+from nostall._epochs.epochs import AS_BUILT, EpochSource
+from nostall._epochs.resume import (
     STATE_VERSION,
     Position,
     check_state,

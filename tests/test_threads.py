@@ -19,10 +19,10 @@ from helpers import (
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import nostall
-from nostall._epochs import EpochSource
+from nostall._epochs.epochs import EpochSource
+from nostall._epochs.skip import skip_ahead
 from nostall._loading.pool import Pool
 from nostall._loading.threads import ThreadedEpoch, sample_seed
-from nostall._skip import skip_ahead
 from nostall._sources.global_draws import unwatched
 
 

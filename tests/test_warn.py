@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 import nostall
 from nostall import PrefetchTimeoutError, _device, _latest_producer
-from nostall._epochs import EpochSource
+from nostall._epochs.epochs import EpochSource
 from nostall._loading import pool as _pool
 from nostall._sources import checks as _source_checks
 from nostall._sources import sharding as _sharding

@@ -17,7 +17,7 @@ from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
 from ._warn import warn
 
 if TYPE_CHECKING:
-    from ._epochs import EpochSource
+    from ._epochs.epochs import EpochSource
     from ._producer import Puller
 
 #: How long close() waits for a producer that is inside the source's __next__ (seconds).

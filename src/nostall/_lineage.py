@@ -1,6 +1,6 @@
 """What consecutive passes of one Prefetcher hand on to each other.
 
-A :class:`Lineage` holds the consumer's position (:class:`~nostall._resume.Position`: the
+A :class:`Lineage` holds the consumer's position (:class:`~nostall._epochs.resume.Position`: the
 epoch, the batches of it handed out, what resuming there needs), the producer that runs ahead
 into the next epoch, the batches a stopped pass of a one-shot source fetched and nobody took,
 and the latest producer thread (two must never pull from one source).
@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._channel import BATCH, Channel
-from ._epochs import EpochSource
+from ._epochs.epochs import EpochSource
+from ._epochs.resume import Position
 from ._latest_producer import LatestProducer
 from ._producer import Puller
-from ._resume import Position
 from ._sources.samplers import readable_epoch
 from ._warn import warn
 

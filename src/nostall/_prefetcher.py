@@ -9,13 +9,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_data_device
-from ._epochs import EpochSource
+from ._epochs.epochs import EpochSource
+from ._epochs.resume import loaded_position, state_of, uncounts
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._iteration import PrefetchIterator
 from ._lineage import Lineage
 from ._loader_attributes import LoaderAttributes
 from ._profile import StallRecorder, StallReport
-from ._resume import loaded_position, state_of, uncounts
 from ._settings import Settings
 from ._sources.checks import (
     describe,
@@ -138,7 +138,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
 
     State: :meth:`state_dict` counts batches handed to the user, never batches fetched ahead;
     :meth:`load_state_dict` on a fresh prefetcher over an identically built source resumes
-    exactly there (see :mod:`nostall._epochs`).
+    exactly there (see :mod:`nostall._epochs.epochs`).
 
     Lifecycle: open until :meth:`close` (idempotent; also on leaving a ``with`` block); iterating
     a closed prefetcher raises :class:`~nostall.PrefetcherClosedError`.

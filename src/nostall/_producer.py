@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
-from ._epochs import EpochSource
+from ._epochs.epochs import EpochSource
+from ._epochs.skip import TakenAhead
 from ._exceptions import noted
 from ._exit import ThreadLetGo
-from ._skip import TakenAhead
 from ._stacks import stuck_at
 from ._staging.base import Staged, Staging
 from ._torch_compat import dead_workers_behind

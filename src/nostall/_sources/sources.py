@@ -3,7 +3,7 @@
 :func:`classify` looks at a source once, when a prefetcher is built (and again when
 ``shard=True`` puts a sharded copy in its place), and returns a :class:`SourceKind`. Every
 other module asks that value, never the source's type: the engine asks the epoch source built
-from it (:class:`~nostall._epochs.EpochSource`, the adapter), and the argument checks, the
+from it (:class:`~nostall._epochs.epochs.EpochSource`, the adapter), and the argument checks, the
 resume, the skipping and the global-draw watch ask the kind. A new client is recognised here
 (its recogniser lives in its own module: :mod:`nostall._clients.fabric`,
 :mod:`nostall._clients.accelerate`) and adapted in the epoch source; the channel, the producer,

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from ._arguments import kind, received
-from ._clients.fabric import check_count
-from ._epochs import AS_BUILT, EpochSource
-from ._sources.samplers import describe_order
-from ._transform_state import StatefulTransform
+from .._arguments import kind, received
+from .._clients.fabric import check_count
+from .._sources.samplers import describe_order
+from .._transform_state import StatefulTransform
+from .epochs import AS_BUILT, EpochSource
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
 STATE_VERSION = 1

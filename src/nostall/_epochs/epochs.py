@@ -21,20 +21,20 @@ from typing import Any
 
 import torch
 
-from ._clients.accelerate import ShardMirror
-from ._clients.fabric import IterCount
-from ._drawn_orders import DrawnOrders
-from ._loading.pacing import Pacer
-from ._loading.pool import Pool
-from ._loading.threadable import warn_unseeded_threads
-from ._loading.threaded_stream import ThreadedStream
-from ._loading.threads import ThreadedEpoch
-from ._skip import TakenAhead, skip_ahead
-from ._sources.generators import HandBack, Saved
-from ._sources.global_draws import DrawWatch
-from ._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
-from ._sources.sources import Client, classify
-from ._torch_compat import live_iterator
+from .._clients.accelerate import ShardMirror
+from .._clients.fabric import IterCount
+from .._loading.pacing import Pacer
+from .._loading.pool import Pool
+from .._loading.threadable import warn_unseeded_threads
+from .._loading.threaded_stream import ThreadedStream
+from .._loading.threads import ThreadedEpoch
+from .._sources.generators import HandBack, Saved
+from .._sources.global_draws import DrawWatch
+from .._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
+from .._sources.sources import Client, classify
+from .._torch_compat import live_iterator
+from .drawn_orders import DrawnOrders
+from .skip import TakenAhead, skip_ahead
 
 
 class _Start(enum.Enum):
@@ -43,7 +43,7 @@ class _Start(enum.Enum):
 
 #: ``Position.source_state`` before any batch of the epoch was handed out since the source was
 #: built, its epoch set, or a state loaded: the source is read when the state is saved (see
-#: :mod:`nostall._resume`).
+#: :mod:`nostall._epochs.resume`).
 AS_BUILT = _Start.AS_BUILT
 
 
@@ -56,7 +56,7 @@ class EpochSource:
         * A loaded state (``resume``) is used by the first epoch opened with its number, then
           dropped.
         * What each epoch's order was drawn from is recorded by ``orders``
-          (:class:`~nostall._drawn_orders.DrawnOrders`), before the order is drawn.
+          (:class:`~nostall._epochs.drawn_orders.DrawnOrders`), before the order is drawn.
     """
 
     def __init__(

@@ -8,9 +8,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ._clients.fabric import fabric_over
-from ._sources.sources import classify
-from ._torch_compat import copy_loader
+from .._clients.fabric import fabric_over
+from .._sources.sources import classify
+from .._torch_compat import copy_loader
 
 
 class _SkipFirst:

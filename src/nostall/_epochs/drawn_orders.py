@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ._clients.fabric import IterCount
-from ._sources.samplers import capture_rng, generators_of, sampler_epoch_of
-from ._torch_compat import live_iterator
+from .._clients.fabric import IterCount
+from .._sources.samplers import capture_rng, generators_of, sampler_epoch_of
+from .._torch_compat import live_iterator
 
 #: Epochs before the latest one opened whose records are kept: the producer may open several
 #: short epochs ahead of a state saved in the first of them.
