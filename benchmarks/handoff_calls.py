@@ -76,7 +76,7 @@ def profiled_loop(n: int, depth: int, pinned: bool, path: str) -> pstats.Stats:
 @contextlib.contextmanager
 def held_producer() -> Iterator[None]:
     """The producer thread takes no slot in the block, then ends: the consumer pulls all."""
-    from nostall._channel import Channel
+    from nostall._engine.channel import Channel
 
     acquire, released = Channel.acquire, threading.Event()
 

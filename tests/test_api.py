@@ -114,11 +114,11 @@ PACKAGE = Path(nostall.__file__).parent
 #: (their paths in the package).
 ENGINE = (
     "_prefetcher.py",
-    "_iteration.py",
-    "_lineage.py",
-    "_latest_producer.py",
-    "_producer.py",
-    "_channel.py",
+    "_engine/iteration.py",
+    "_engine/lineage.py",
+    "_engine/latest_producer.py",
+    "_engine/producer.py",
+    "_engine/channel.py",
     "_loading/pacing.py",
     "_epochs/epochs.py",
     "_epochs/drawn_orders.py",
@@ -179,7 +179,7 @@ def test_no_engine_module_writes_the_lineages_fields() -> None:
     writes = {
         f"{module}:{node.lineno}"
         for module in ENGINE
-        if module != "_lineage.py"
+        if module != "_engine/lineage.py"
         for node in ast.walk(ast.parse((PACKAGE / module).read_text()))
         if isinstance(node, (ast.Assign, ast.AugAssign))
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])

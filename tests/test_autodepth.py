@@ -1,4 +1,4 @@
-"""depth="auto" and the one memory-budget rule (``nostall._autodepth``)."""
+"""depth="auto" and the one memory-budget rule (``nostall._engine.autodepth``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from helpers import SleepingSource
 
 import nostall
-from nostall import _autodepth
+from nostall._engine import autodepth as _autodepth
 
 
 def slow_source(n: int) -> Iterator[torch.Tensor]:

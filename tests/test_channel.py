@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nostall import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
-from nostall._channel import BATCH, END, Channel, Kind, Message
+from nostall._engine.channel import BATCH, END, Channel, Kind, Message
 
 
 def message(i: int, kind: Kind = BATCH) -> Message:
@@ -234,7 +234,7 @@ def test_drain_frees_the_slots_of_what_it_takes() -> None:
 
 def test_slots_count_what_is_free_and_wake_a_waiter() -> None:
     """Slots: taken and given back, read without a private field, a waiter woken."""
-    from nostall._channel import Slots
+    from nostall._engine.channel import Slots
 
     slots = Slots(2)
     assert slots.acquire()

@@ -20,7 +20,7 @@ from helpers import (
 from torch.utils.data import DataLoader
 
 import nostall
-from nostall._channel import Channel
+from nostall._engine.channel import Channel
 
 
 def nostall_notes(error: BaseException) -> list[str]:

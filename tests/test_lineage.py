@@ -11,10 +11,10 @@ import torch
 from helpers import as_dataset
 from torch.utils.data import DataLoader
 
-from nostall._channel import Channel
+from nostall._engine.channel import Channel
+from nostall._engine.lineage import Lineage
+from nostall._engine.producer import Puller
 from nostall._epochs.epochs import AS_BUILT, EpochSource
-from nostall._lineage import Lineage
-from nostall._producer import Puller
 from nostall._staging.base import Staging
 
 

@@ -16,7 +16,7 @@ from helpers import wait_until
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._channel import Channel
+from nostall._engine.channel import Channel
 from nostall._exceptions import PrefetchTimeoutError
 from nostall._loading.pacing import WINDOW, Pacer
 

@@ -636,7 +636,7 @@ def test_close_after_a_timeout_does_not_wait_for_the_stuck_sample(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """close() after a timeout returns without waiting out its join on the stuck producer."""
-    import nostall._latest_producer as module
+    import nostall._engine.latest_producer as module
 
     monkeypatch.setattr(module, "CLOSE_JOIN_S", 120.0)
     data = Blocking()
@@ -677,7 +677,7 @@ def test_the_loaders_own_timeout_applies_under_threads() -> None:
 
 def test_dead_producer_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer that ends without a word raises ProducerDiedError, never hangs."""
-    import nostall._iteration as module
+    import nostall._engine.iteration as module
 
     monkeypatch.setattr(module, "produce", lambda channel: None)
     it = iter(nostall.prefetch(CountingSource(3)))

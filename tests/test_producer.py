@@ -14,10 +14,10 @@ from helpers import settle, wait_until
 
 import nostall
 from nostall import PrefetchTimeoutError
-from nostall._channel import BATCH, END, ERROR, FAILED, Channel
+from nostall._engine.channel import BATCH, END, ERROR, FAILED, Channel
+from nostall._engine.producer import Puller
+from nostall._engine.producer_thread import produce, stop_all_producers
 from nostall._epochs.epochs import EpochSource
-from nostall._producer import Puller
-from nostall._producer_thread import produce, stop_all_producers
 from nostall._staging.base import Staging
 
 CPU = torch.device("cpu")

@@ -246,7 +246,7 @@ class _FakeEvent:
 
 def test_cuda_idle_events_are_folded_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long run holds at most FOLD_EVERY pending pairs; the idle sum counts every pair."""
-    from nostall import _profile
+    from nostall._engine import profile as _profile
 
     monkeypatch.setattr(_profile, "_event", lambda device: _FakeEvent())
     monkeypatch.setattr(_FakeEvent, "clock_ms", 0.0)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import nostall
-from nostall._settings import Settings
+from nostall._engine.settings import Settings
 
 
 def test_a_prefetcher_keeps_its_settings_as_one_frozen_value() -> None:

@@ -25,7 +25,7 @@ from simcuda import STREAM_POOL, Kind, SimStream, Simulation, simulated_cuda
 
 import nostall
 from nostall import transforms as T
-from nostall._channel import Channel
+from nostall._engine.channel import Channel
 from nostall._staging.cuda import CudaStaging
 from nostall.cuda import _streams
 from nostall.transforms import _random, _tensors

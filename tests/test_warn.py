@@ -35,7 +35,8 @@ from simcuda import simulated_cuda
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import nostall
-from nostall import PrefetchTimeoutError, _device, _latest_producer
+from nostall import PrefetchTimeoutError, _device
+from nostall._engine import latest_producer as _latest_producer
 from nostall._epochs.epochs import EpochSource
 from nostall._loading import pool as _pool
 from nostall._sources import checks as _source_checks

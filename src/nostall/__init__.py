@@ -61,6 +61,7 @@ names the user's line.
 import types as _types
 
 from . import cuda, transforms
+from ._engine.profile import Profiled, StallReport, profile
 from ._exceptions import (
     DeviceUnavailableError,
     NostallError,
@@ -71,7 +72,6 @@ from ._exceptions import (
 )
 from ._loading.collate import collate_uint8
 from ._prefetcher import Prefetcher, prefetch
-from ._profile import Profiled, StallReport, profile
 from ._thread_safety import ThreadSafety
 from ._tune import Setting, TuneResult, tune
 

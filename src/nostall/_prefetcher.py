@@ -9,14 +9,14 @@ from typing import Any, Generic, Literal, TypeVar
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_data_device
+from ._engine.iteration import PrefetchIterator
+from ._engine.lineage import Lineage
+from ._engine.profile import StallRecorder, StallReport
+from ._engine.settings import Settings
 from ._epochs.epochs import EpochSource
 from ._epochs.resume import loaded_position, state_of, uncounts
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
-from ._iteration import PrefetchIterator
-from ._lineage import Lineage
 from ._loader_attributes import LoaderAttributes
-from ._profile import StallRecorder, StallReport
-from ._settings import Settings
 from ._sources.checks import (
     describe,
     refuse_unsupported,
@@ -56,7 +56,7 @@ def prefetch(
             (under ``torchrun``, ``LOCAL_RANK`` while that is still ``cuda:0``), else the CPU.
         depth: how many batches may be fetched ahead of the consumer (an int >= 1), or
             ``"auto"``: start at 1 and double whenever the consumer finds nothing ready, up to
-            what :data:`nostall._autodepth.MEMORY_SHARE` of the device's free memory holds.
+            what :data:`nostall._engine.autodepth.MEMORY_SHARE` of the device's free memory holds.
         pin_memory: pin host tensors before copying them to a GPU (default: on for CUDA).
         timeout: seconds to wait for one batch before raising ``PrefetchTimeoutError``.
         across_epochs: keep fetching into the next epoch when one ends (calling the source's

@@ -4,7 +4,7 @@ The user gives a *factory*: a function that builds their ``DataLoader`` and acce
 ``num_workers``, ``pin_memory``, ``prefetch_factor`` and ``persistent_workers`` as keyword
 arguments. Each trial builds a loader with one setting, skips its start-up batches and times a
 few more; the search climbs while a step up gains enough, within the CPU budget (cores) and the
-memory budget (the one rule of :mod:`nostall._autodepth`: a tenth of the available memory for
+memory budget (the one rule of :mod:`nostall._engine.autodepth`: a tenth of the available memory for
 batches in flight, at most 64). One trial moves by half on a shared machine, so the search's
 leading settings and the loop as built are then measured again, with repeats, alternating, and
 the best is chosen on those medians.
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from . import _arguments
-from ._autodepth import batch_nbytes, depth_budget
 from ._device import DeviceLike, resolve_data_device
+from ._engine.autodepth import batch_nbytes, depth_budget
 from ._exceptions import ConfigurationError
 from ._loading.threadable import check_threadable
 from ._sources.global_draws import draws_of

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .._profile import profile
+from .._engine.profile import profile
 from ..cuda._timing import synchronize
 from . import _contenders as c
 from ._records import BenchResult, Record

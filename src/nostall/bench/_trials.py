@@ -19,7 +19,7 @@ from torch.utils import benchmark
 from torch.utils.data import DataLoader, Dataset
 
 from .._device import resolve_device
-from .._profile import profile
+from .._engine.profile import profile
 from ..cuda._devices import host_info
 from ..cuda._timing import synchronize
 from . import _contenders as c

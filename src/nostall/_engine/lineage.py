@@ -13,13 +13,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ._channel import BATCH, Channel
-from ._epochs.epochs import EpochSource
-from ._epochs.resume import Position
-from ._latest_producer import LatestProducer
-from ._producer import Puller
-from ._sources.samplers import readable_epoch
-from ._warn import warn
+from .._epochs.epochs import EpochSource
+from .._epochs.resume import Position
+from .._sources.samplers import readable_epoch
+from .._warn import warn
+from .channel import BATCH, Channel
+from .latest_producer import LatestProducer
+from .producer import Puller
 
 
 class Iteration(Protocol):

@@ -2,8 +2,8 @@
 
 A :class:`Channel` is a queue of messages (a staged batch, an error, the epoch's end) with
 ``depth`` slots. It knows nothing of sources, epochs or devices: what is pulled, and when, is
-the puller's business (:mod:`nostall._producer`); the channel only bounds how far the producer
-runs ahead and hands the messages over in the order they were put.
+the puller's business (:mod:`nostall._engine.producer`); the channel only bounds how far the
+producer runs ahead and hands the messages over in the order they were put.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
+from .._exceptions import PrefetcherClosedError, PrefetchTimeoutError, ProducerDiedError
 
 #: How often blocked waits wake up to look at the stop flag or the producer's health (seconds).
 POLL_S = 0.1

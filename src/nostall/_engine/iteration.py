@@ -1,11 +1,11 @@
 """One pass over the source: the iterator, its lifecycle, and what passes hand on.
 
 A :class:`PrefetchIterator` is what ``iter(prefetcher)`` returns. It starts a producer thread
-(:mod:`nostall._producer`) on its first ``next()``, takes batches, errors and the epoch's end from
-its channel (:mod:`nostall._channel`) in order, and hands each batch out through the staging
-(:mod:`nostall._staging.choose`).
-Consecutive passes of one Prefetcher share a :class:`~nostall._lineage.Lineage`: the position
-to resume from, the producer that runs ahead across epochs.
+(:mod:`nostall._engine.producer`) on its first ``next()``, takes batches, errors and the epoch's
+end from its channel (:mod:`nostall._engine.channel`) in order, and hands each batch out through
+the staging (:mod:`nostall._staging.choose`).
+Consecutive passes of one Prefetcher share a :class:`~nostall._engine.lineage.Lineage`: the
+position to resume from, the producer that runs ahead across epochs.
 
 Lifecycle of an iterator (:class:`Lifecycle`)::
 
@@ -24,27 +24,27 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from ._autodepth import auto_depth_limit
-from ._channel import BATCH, END, ERROR, Channel, Message
-from ._exceptions import (
+from .._exceptions import (
     NostallError,
     PrefetcherClosedError,
     PrefetchTimeoutError,
     add_note,
     is_noted,
 )
-from ._exit import track
-from ._lineage import Lineage
-from ._producer import Puller
-from ._producer_thread import produce
-from ._sources.checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
-from ._staging.cuda import CudaStaging
-from ._warn import warn
+from .._exit import track
+from .._sources.checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
+from .._staging.cuda import CudaStaging
+from .._warn import warn
+from .autodepth import auto_depth_limit
+from .channel import BATCH, END, ERROR, Channel, Message
+from .lineage import Lineage
+from .producer import Puller
+from .producer_thread import produce
 
 if TYPE_CHECKING:
-    from ._profile import StallRecorder
-    from ._settings import Settings
-    from ._staging.base import Staging
+    from .._staging.base import Staging
+    from .profile import StallRecorder
+    from .settings import Settings
 
 T = TypeVar("T")
 

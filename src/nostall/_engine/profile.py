@@ -17,9 +17,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from . import _arguments as check
-from ._device import DeviceLike, resolve_device
-from .cuda._tree import batch_size_of
+from .. import _arguments as check
+from .._device import DeviceLike, resolve_device
+from ..cuda._tree import batch_size_of
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The producer thread: its body, and the threads interpreter exit and ``fork()`` stop.
 
-:func:`produce` runs a :class:`~nostall._producer.Puller` in a thread of its own until the
+:func:`produce` runs a :class:`~nostall._engine.producer.Puller` in a thread of its own until the
 puller is finished or its channel let go. Live producers are stopped before the interpreter
 exits (:func:`stop_all_producers`, an ``atexit`` hook), and a fork is noticed
 (``fork_generation``: producer threads do not survive one).
@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 
-from ._channel import END, FAILED
-from ._exit import ThreadLetGo, track, wind_down
-from ._producer import Puller
+from .._exit import ThreadLetGo, track, wind_down
+from .channel import END, FAILED
+from .producer import Puller
 
 #: How long interpreter exit waits, in all, for live producers to stop (seconds).
 EXIT_JOIN_S = 2.0

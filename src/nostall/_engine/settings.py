@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
-from . import _arguments as check
-from ._device import DeviceLike
-from ._loading.threadable import check_threadable
-from ._sources.sharding import check_shardable
+from .. import _arguments as check
+from .._device import DeviceLike
+from .._loading.threadable import check_threadable
+from .._sources.sharding import check_shardable
 
 
 @dataclasses.dataclass(frozen=True)

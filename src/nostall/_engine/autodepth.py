@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .cuda._devices import available_memory
-from .cuda._tree import iter_tensors
+from ..cuda._devices import available_memory
+from ..cuda._tree import iter_tensors
 
 #: ``depth="auto"`` never grows beyond this many batches.
 MAX_DEPTH = 64

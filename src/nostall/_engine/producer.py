@@ -2,9 +2,9 @@
 
 A :class:`Puller` owns everything about pulling: the epoch source, the source's iterator, the
 staging, where each error happened, and the rollover from one epoch to the next. It sends what
-it pulls into its :class:`~nostall._channel.Channel`, from the producer thread
-(:func:`nostall._producer_thread.produce`) or, when the producer is idle and nothing is queued,
-from the consumer's own thread.
+it pulls into its :class:`~nostall._engine.channel.Channel`, from the producer thread
+(:func:`nostall._engine.producer_thread.produce`) or, when the producer is idle and nothing is
+queued, from the consumer's own thread.
 
 The producer thread is given only a Puller; it holds no reference to the prefetcher or to the
 iteration that started it, so dropping those is enough for the garbage collector to collect them
@@ -19,14 +19,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
-from ._epochs.epochs import EpochSource
-from ._epochs.skip import TakenAhead
-from ._exceptions import noted
-from ._exit import ThreadLetGo
-from ._stacks import stuck_at
-from ._staging.base import Staged, Staging
-from ._torch_compat import dead_workers_behind
+from .._epochs.epochs import EpochSource
+from .._epochs.skip import TakenAhead
+from .._exceptions import noted
+from .._exit import ThreadLetGo
+from .._stacks import stuck_at
+from .._staging.base import Staged, Staging
+from .._torch_compat import dead_workers_behind
+from .channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
 
 #: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.
 STALE: Any = object()

@@ -11,14 +11,15 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from . import _exit, _producer_thread, _stacks
-from ._channel import POLL_S
-from ._exceptions import PrefetcherClosedError, PrefetchTimeoutError
-from ._warn import warn
+from .. import _exit, _stacks
+from .._exceptions import PrefetcherClosedError, PrefetchTimeoutError
+from .._warn import warn
+from . import producer_thread as _producer_thread
+from .channel import POLL_S
 
 if TYPE_CHECKING:
-    from ._epochs.epochs import EpochSource
-    from ._producer import Puller
+    from .._epochs.epochs import EpochSource
+    from .producer import Puller
 
 #: How long close() waits for a producer that is inside the source's __next__ (seconds).
 CLOSE_JOIN_S = 5.0
