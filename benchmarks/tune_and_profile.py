@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._tune import Setting, measure
+from nostall._tools.tune import Setting, measure
 
 
 class Sleepy(Dataset[torch.Tensor]):

@@ -17,8 +17,8 @@ import torch
 import torch.utils.data
 
 if TYPE_CHECKING:
-    from nostall._diagnosis import Diagnosis
-    from nostall._tune import Setting
+    from nostall._tools.diagnosis import Diagnosis
+    from nostall._tools.tune import Setting
 
 #: The repository root: scripts and examples are named from it, and subprocesses run in it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -318,7 +318,7 @@ def scripted(monkeypatch: Any, runs: dict[Setting, list[float]]) -> list[Setting
     ``monkeypatch`` is pytest's fixture. A setting not listed gives 10 samples/s; past its
     list, a setting repeats its last value. Returns the settings in the order they were run.
     """
-    from nostall import _tune
+    from nostall._tools import tune as _tune
 
     order: list[Setting] = []
 

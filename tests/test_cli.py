@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import scripted
 
-from nostall._cli import main
-from nostall._tune import YOURS, Setting
+from nostall._tools.cli import main
+from nostall._tools.tune import YOURS, Setting
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import nostall
-from nostall._cli import main
+from nostall._tools.cli import main
 from nostall.cuda._devices import DeviceInfo, format_devices, host_info, human
 
 

@@ -11,9 +11,9 @@ import json
 import pytest
 from helpers import assert_honest
 
-from nostall._diagnosis import BUSY, ONE_RUN, Diagnosis, bound
-from nostall._thread_safety import ThreadSafety
-from nostall._tune import Setting, TuneResult
+from nostall._tools.diagnosis import BUSY, ONE_RUN, Diagnosis, bound
+from nostall._tools.thread_safety import ThreadSafety
+from nostall._tools.tune import Setting, TuneResult
 from nostall.cuda._timing import Measured
 
 

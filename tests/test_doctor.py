@@ -20,12 +20,13 @@ import pytest
 import torch
 from helpers import as_dataset, assert_honest
 
-from nostall import _doctor, _tune
-from nostall._cli import main
-from nostall._doctor import diagnose, recommend
 from nostall._exceptions import ConfigurationError
-from nostall._specs import load_callable
-from nostall._tune import Setting
+from nostall._tools import doctor as _doctor
+from nostall._tools import tune as _tune
+from nostall._tools.cli import main
+from nostall._tools.doctor import diagnose, recommend
+from nostall._tools.specs import load_callable
+from nostall._tools.tune import Setting
 
 _names = itertools.count()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from nostall._diagnosis import Diagnosis
-from nostall._doctor_report import CHAR_PX, chart_rows, html_page
-from nostall._tune import Setting, TuneResult
+from nostall._tools.diagnosis import Diagnosis
+from nostall._tools.doctor_report import CHAR_PX, chart_rows, html_page
+from nostall._tools.tune import Setting, TuneResult
 from nostall.cuda._timing import Measured
 
 

@@ -13,7 +13,7 @@ import pytest
 from doc_blocks import pages, python_blocks
 from helpers import assert_torchrun_finished, run_torchrun
 
-from nostall._specs import load_callable
+from nostall._tools.specs import load_callable
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nostall._exceptions import ConfigurationError
-from nostall._specs import checked_factory, load_callable
+from nostall._tools.specs import checked_factory, load_callable
 
 _names = itertools.count()
 
@@ -59,7 +59,7 @@ def test_a_factory_that_builds_no_iterable_is_a_configuration_error(module: str)
 
 def test_a_checked_factory_keeps_the_signature_the_tuner_reads(module: str) -> None:
     """The doctor passes num_workers only to a factory that takes it."""
-    from nostall._tune import accepted_knobs
+    from nostall._tools.tune import accepted_knobs
 
     build = checked_factory(load_callable(f"{module}:make", "factory"))
     assert accepted_knobs(build) == {"num_workers"}

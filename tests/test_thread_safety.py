@@ -1,4 +1,4 @@
-"""The check tune and the doctor make before trying loading threads (``nostall._thread_safety``)."""
+"""The check tune and the doctor make before trying threads (``nostall._tools.thread_safety``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers import SqliteRows
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._thread_safety import MAX_PASSES, MAX_SAMPLES, MIN_PASSES, check_thread_safety
+from nostall._tools.thread_safety import MAX_PASSES, MAX_SAMPLES, MIN_PASSES, check_thread_safety
 
 
 class Squares(Dataset[torch.Tensor]):

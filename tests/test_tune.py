@@ -12,7 +12,7 @@ from helpers import as_dataset, scripted, sqlite_loader
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
-from nostall._tune import YOURS, Setting, accepted_knobs, loader_kwargs, measure
+from nostall._tools.tune import YOURS, Setting, accepted_knobs, loader_kwargs, measure
 from nostall.cuda._timing import Measured
 
 

@@ -72,8 +72,8 @@ from ._exceptions import (
 )
 from ._loading.collate import collate_uint8
 from ._prefetcher import Prefetcher, prefetch
-from ._thread_safety import ThreadSafety
-from ._tune import Setting, TuneResult, tune
+from ._tools.thread_safety import ThreadSafety
+from ._tools.tune import Setting, TuneResult, tune
 
 __version__ = "0.1.0"
 

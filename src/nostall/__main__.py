@@ -1,5 +1,5 @@
 """``python -m nostall``: the same as the ``nostall`` command."""
 
-from ._cli import main
+from ._tools.cli import main
 
 raise SystemExit(main())

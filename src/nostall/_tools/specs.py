@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._arguments import kind, not_batches
-from ._exceptions import ConfigurationError
+from .._arguments import kind, not_batches
+from .._exceptions import ConfigurationError
 
 Factory = Callable[..., Iterable[Any]]
 

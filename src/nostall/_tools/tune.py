@@ -21,26 +21,26 @@ from typing import Any
 
 import torch
 
-from . import _arguments
-from ._device import DeviceLike, resolve_data_device
-from ._engine.autodepth import batch_nbytes, depth_budget
-from ._exceptions import ConfigurationError
-from ._loading.threadable import check_threadable
-from ._sources.global_draws import draws_of
-from ._sources.sources import classify
-from ._thread_bound import FIX
-from ._thread_safety import ThreadSafety, check_thread_safety
-from ._trial import LOADER_KNOBS as LOADER_KNOBS
-from ._trial import YOURS as YOURS
-from ._trial import Factory as Factory
-from ._trial import Setting as Setting
-from ._trial import Step as Step
-from ._trial import Transform as Transform
-from ._trial import accepted_knobs as accepted_knobs
-from ._trial import build as build
-from ._trial import loader_kwargs as loader_kwargs
-from ._trial import measure as measure
-from .cuda._timing import Measured
+from .. import _arguments
+from .._device import DeviceLike, resolve_data_device
+from .._engine.autodepth import batch_nbytes, depth_budget
+from .._exceptions import ConfigurationError
+from .._loading.threadable import check_threadable
+from .._sources.global_draws import draws_of
+from .._sources.sources import classify
+from .._thread_bound import FIX
+from ..cuda._timing import Measured
+from .thread_safety import ThreadSafety, check_thread_safety
+from .trial import LOADER_KNOBS as LOADER_KNOBS
+from .trial import YOURS as YOURS
+from .trial import Factory as Factory
+from .trial import Setting as Setting
+from .trial import Step as Step
+from .trial import Transform as Transform
+from .trial import accepted_knobs as accepted_knobs
+from .trial import build as build
+from .trial import loader_kwargs as loader_kwargs
+from .trial import measure as measure
 
 #: How many of the search's best trials are measured again, with repeats, before one is chosen.
 FINALISTS = 2

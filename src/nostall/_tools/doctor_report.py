@@ -1,6 +1,6 @@
 """The files ``nostall doctor`` writes: ``--json`` and ``--html``, their paths checked first.
 
-The figures and the verdict are the :class:`~nostall._diagnosis.Diagnosis`'s own; this module
+The figures and the verdict are the :class:`~nostall._tools.diagnosis.Diagnosis`'s own; this module
 only lays them out. :func:`check_output` also serves ``nostall bench`` (``--json``, ``--plot``).
 """
 
@@ -13,10 +13,10 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ._diagnosis import Diagnosis, per_s
-from ._exceptions import ConfigurationError
-from ._tune import YOURS, Setting
-from .cuda._timing import Measured
+from .._exceptions import ConfigurationError
+from ..cuda._timing import Measured
+from .diagnosis import Diagnosis, per_s
+from .tune import YOURS, Setting
 
 
 def check_output(path: str | None, flag: str) -> None:

@@ -44,11 +44,11 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ._prefetcher import prefetch
-from ._sources.generators import Snapshot, moved, snapshot
-from ._sources.global_draws import unwatched
-from ._thread_bound import FIX
-from ._torch_compat import auto_collation
+from .._prefetcher import prefetch
+from .._sources.generators import Snapshot, moved, snapshot
+from .._sources.global_draws import unwatched
+from .._thread_bound import FIX
+from .._torch_compat import auto_collation
 
 #: The most samples the check loads per pass (four passes; one kept).
 MAX_SAMPLES = 64

@@ -2,7 +2,7 @@
 
 A :class:`Setting` is one way to build and feed the user's loader; :func:`build` passes the
 factory only the settings it accepts; :func:`measure` times the loop with a setting. The search
-over settings is :mod:`nostall._tune`'s.
+over settings is :mod:`nostall._tools.tune`'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ._prefetcher import prefetch
-from ._sources.global_draws import unreported
-from .cuda._timing import synchronize
-from .cuda._transfer import to_device
-from .cuda._tree import batch_size_of
+from .._prefetcher import prefetch
+from .._sources.global_draws import unreported
+from ..cuda._timing import synchronize
+from ..cuda._transfer import to_device
+from ..cuda._tree import batch_size_of
 
 Factory = Callable[..., Iterable[Any]]
 Step = Callable[[Any], Any]

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import __version__
-from ._arguments import flag_count as _count
-from ._exceptions import ConfigurationError, DeviceUnavailableError
+from .. import __version__
+from .._arguments import flag_count as _count
+from .._exceptions import ConfigurationError, DeviceUnavailableError
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ _EXIT_STATUS = (
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the ``nostall`` command."""
-    from .bench._config import add_flags
+    from ..bench._config import add_flags
 
     parser = argparse.ArgumentParser(
         prog="nostall",
@@ -211,7 +211,7 @@ def _device(device: str | None) -> torch.device:
     Resolved here, at the command line, rather than where the library resolves it again: a
     device error raised later (by the user's own code, say) is not the user's ``--device``.
     """
-    from ._device import resolve_data_device
+    from .._device import resolve_data_device
 
     try:
         return resolve_data_device(device)
@@ -222,7 +222,7 @@ def _device(device: str | None) -> torch.device:
 def _devices(args: argparse.Namespace) -> int:
     import json
 
-    from .cuda._devices import devices, format_devices, host_info
+    from ..cuda._devices import devices, format_devices, host_info
 
     found, host = devices(), host_info()
     if args.json:
@@ -233,9 +233,9 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ._doctor import diagnose
-    from ._doctor_report import check_output, write_reports
-    from ._specs import load_callable
+    from .doctor import diagnose
+    from .doctor_report import check_output, write_reports
+    from .specs import load_callable
 
     for path, flag in ((args.json, "--json"), (args.html, "--html")):
         check_output(path, flag)  # before minutes of measuring, not after
@@ -268,10 +268,10 @@ def _tune(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from ._doctor import tune_summary
-    from ._doctor_report import check_output
-    from ._specs import checked_factory, load_callable
-    from ._tune import tune
+    from .doctor import tune_summary
+    from .doctor_report import check_output
+    from .specs import checked_factory, load_callable
+    from .tune import tune
 
     check_output(args.json, "--json")  # before minutes of measuring, not after
     device = _device(args.device)
@@ -300,9 +300,9 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._doctor_report import check_output
-    from .bench import checks, format_report, run_bench, write_json, write_plot
-    from .bench._config import from_flags
+    from ..bench import checks, format_report, run_bench, write_json, write_plot
+    from ..bench._config import from_flags
+    from .doctor_report import check_output
 
     if args.plot:  # fail before minutes of measuring, not after
         try:

@@ -1,9 +1,9 @@
 """What ``nostall doctor`` concluded: the measured rates, and the verdict said in words.
 
-A :class:`Diagnosis` holds the figures :func:`nostall._doctor.diagnose` measured, and words its
-verdict from them here (the summary, each line of it), so that what the doctor says and the
-``--json`` figures are the same numbers. This module measures nothing and writes nothing (see
-:mod:`nostall._doctor_report` for the files).
+A :class:`Diagnosis` holds the figures :func:`nostall._tools.doctor.diagnose` measured, and
+words its verdict from them here (the summary, each line of it), so that what the doctor says
+and the ``--json`` figures are the same numbers. This module measures nothing and writes
+nothing (see :mod:`nostall._tools.doctor_report` for the files).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ._tune import Setting, TuneResult
-from .cuda._timing import Measured
+from ..cuda._timing import Measured
+from .tune import Setting, TuneResult
 
 #: Threads against worker processes, one run each: the ratio that names one the faster.
 CLEAR_RATIO = 1.25

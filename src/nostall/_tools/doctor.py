@@ -3,8 +3,8 @@
 The DS-Analyzer differential method: the loader's rate alone (load only), the step's rate on a
 device-resident batch (compute only), and the two together; then a search over loader settings
 (:func:`nostall.tune`) with and without ``nostall.prefetch``. This module measures, and writes
-the code to change; what the figures mean is :class:`~nostall._diagnosis.Diagnosis`'s to say,
-and the report files :mod:`nostall._doctor_report`'s to write.
+the code to change; what the figures mean is :class:`~nostall._tools.diagnosis.Diagnosis`'s to say,
+and the report files :mod:`nostall._tools.doctor_report`'s to write.
 
 On a shared machine one run of anything moves by several times with the load, so what is
 compared is measured in turns, with repeats: loading alone and the step alone alternate; the
@@ -23,12 +23,15 @@ from typing import Any
 
 import torch
 
-from . import _arguments
-from ._device import DeviceLike, resolve_data_device
-from ._diagnosis import Diagnosis, draws_line, per_s
-from ._exceptions import ConfigurationError
-from ._specs import checked_factory
-from ._tune import (
+from .. import _arguments
+from .._device import DeviceLike, resolve_data_device
+from .._exceptions import ConfigurationError
+from ..cuda._timing import Measured, synchronize
+from ..cuda._transfer import to_device
+from ..cuda._tree import batch_size_of
+from .diagnosis import Diagnosis, draws_line, per_s
+from .specs import checked_factory
+from .tune import (
     YOURS,
     Factory,
     Setting,
@@ -39,9 +42,6 @@ from ._tune import (
     measure,
     tune,
 )
-from .cuda._timing import Measured, synchronize
-from .cuda._transfer import to_device
-from .cuda._tree import batch_size_of
 
 DEFAULT = YOURS
 
@@ -64,7 +64,7 @@ def diagnose(
     """Measure the user's loader (and step), search for a faster setting, and say what to do.
 
     Args:
-        factory: builds the loader (see :mod:`nostall._tune`).
+        factory: builds the loader (see :mod:`nostall._tools.tune`).
         step: the training step, called with a batch on the device.
         device: where batches go (default: CUDA when available).
         max_batches: the most batches the settings search (:func:`nostall.tune`) may pull, its
