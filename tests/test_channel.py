@@ -23,6 +23,7 @@ def live_producer(channel: Channel) -> threading.Event:
     """A "producer" thread that stays alive until the returned event is set."""
     done = threading.Event()
     channel.thread = threading.Thread(target=done.wait, args=(30,), name="nostall-test-fake")
+    channel.producing.set()  # as the iteration marks it when it starts a producer thread
     channel.thread.start()
     return done
 
@@ -93,6 +94,7 @@ def test_put_ready_grows_the_depth_to_hold_carried_messages() -> None:
         channel.put_ready(message(i))
     assert 3 == channel.depth
     channel.thread = threading.current_thread()
+    channel.producing.set()  # as the iteration marks a producer it starts
     assert [0, 1, 2] == [int(channel.get(i, None)[1]) for i in range(3)]
     for _ in range(3):  # every slot came back
         assert channel.acquire(never)
@@ -165,7 +167,9 @@ def test_a_dead_producer_is_reported_not_waited_for() -> None:
     channel = Channel(1, "x")
     with pytest.raises(ProducerDiedError):
         channel.get(0, None)  # none at all
-    channel.thread = threading.Thread(target=lambda: None, name="nostall-test-dead")
+    # It ends as produce() ends: clearing ``producing`` as its last step.
+    channel.producing.set()
+    channel.thread = threading.Thread(target=channel.producing.clear, name="nostall-test-dead")
     channel.thread.start()
     channel.thread.join()
     with pytest.raises(ProducerDiedError, match="nostall-test-dead") as e:

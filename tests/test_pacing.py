@@ -101,6 +101,7 @@ def test_a_consumer_finding_nothing_queued_ends_the_wait() -> None:
     thread = waiting(pacer, queued=True)
     alive = threading.Event()  # the producer thread, as the channel sees it, lives on
     channel.thread = threading.Thread(target=alive.wait, args=(60,), daemon=True)
+    channel.producing.set()  # as the iteration marks a producer it starts
     channel.thread.start()
     try:
         with pytest.raises(PrefetchTimeoutError):

@@ -35,6 +35,7 @@ def start(depth: int, describe: str, batches: Iterable[Any]) -> Puller:
         target=produce, args=(puller,), name="nostall-test-producer", daemon=True
     )
     puller.channel.thread = thread
+    puller.channel.producing.set()  # as the iteration marks a producer it starts
     thread.start()
     return puller
 
@@ -109,6 +110,7 @@ def test_an_error_in_iter_source_ends_the_epoch() -> None:
     puller.open(0, forward=False)
     puller.asks_for_end = True
     puller.channel.thread = threading.current_thread()
+    puller.channel.producing.set()  # as the iteration marks a producer it starts
     kinds = [take(puller, i)[0] for i in range(3)]
     assert [BATCH, END, FAILED] == kinds
     assert puller.finished
@@ -136,6 +138,7 @@ def test_consumer_pulls_itself_when_the_producer_is_idle() -> None:
     """Nothing queued and the producer not pulling: the consumer pulls, in order, no slot."""
     puller = puller_over([torch.tensor(i) for i in range(3)])
     puller.channel.thread = threading.current_thread()  # a live "producer" that never pulls
+    puller.channel.producing.set()  # as the iteration marks a producer it starts
     assert puller.channel.acquire(lambda: False)  # as if the producer held the only slot
     out = [take(puller, i) for i in range(4)]
     assert [BATCH, BATCH, BATCH, END] == [m[0] for m in out]
@@ -170,6 +173,7 @@ def test_the_end_of_a_sized_epoch_is_pulled_only_when_asked() -> None:
     puller = Puller(Channel(4, "list"), Staging(CPU), EpochSource([1, 2], False))
     puller.open(0, forward=False)
     puller.channel.thread = threading.current_thread()
+    puller.channel.producing.set()  # as the iteration marks a producer it starts
     assert [BATCH, BATCH] == [take(puller, i)[0] for i in range(2)]
     assert not puller.gate_open()
     assert puller.pull_here() is None  # not asked for: not pulled here either

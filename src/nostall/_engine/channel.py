@@ -9,6 +9,7 @@ producer runs ahead and hands the messages over in the order they were put.
 from __future__ import annotations
 
 import enum
+import functools
 import queue
 import threading
 import time
@@ -67,34 +68,41 @@ PullHere = Callable[[], "Message | None"]
 
 
 class Slots:
-    """A counting semaphore whose count may be read (``threading.Semaphore`` keeps it private).
+    """A counting semaphore whose count may be read; taken and given back in one C call each.
 
-    ``value`` changes only under the condition's lock; reading it without the lock gives a
-    value it had (the producer, the only one that takes slots, reads it: it can only grow).
+    The free slots are tokens in a ``queue.SimpleQueue``: taking one waits without the GIL
+    inside the queue's C code, and giving one back wakes a waiter in the same call, where
+    ``threading.Semaphore`` (a ``Condition``) runs about a dozen Python calls for each: calls
+    that hold the GIL between the threads' GIL-free work, per batch. ``value`` is the tokens
+    queued now: reading it gives a value it had (the producer, the only one that takes
+    slots, reads it: it can only grow).
     """
 
     def __init__(self, value: int) -> None:
-        self.value = value
-        self._changed = threading.Condition(threading.Lock())
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        #: ``take(True, timeout)`` takes one (``queue.Empty`` if none came free in time).
+        self.take = self._tokens.get
+        #: ``give()`` gives one back and wakes a waiter: no Python frame.
+        self.give = functools.partial(self._tokens.put, None)
+        self.release(value)
 
-    def _free(self) -> bool:
-        return self.value > 0
+    @property
+    def value(self) -> int:
+        """Slots free now."""
+        return self._tokens.qsize()
 
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Take one; False if none came free (at once, or within ``timeout`` s)."""
-        with self._changed:
-            if self.value == 0 and (
-                not blocking or not self._changed.wait_for(self._free, timeout)
-            ):
-                return False
-            self.value -= 1
-            return True
+        try:
+            self.take(blocking, timeout)
+        except queue.Empty:
+            return False
+        return True
 
     def release(self, n: int = 1) -> None:
         """Give back ``n``, waking as many waiters."""
-        with self._changed:
-            self.value += n
-            self._changed.notify(n)
+        for _ in range(n):
+            self.give()
 
 
 class Channel:
@@ -139,8 +147,14 @@ class Channel:
         self.stopped_why = ""
         #: Wakes a producer waiting for a slot or for the consumer (set by either side).
         self.wake = threading.Event()
+        #: Set while the consumer waits for a message: a producer held back pulls for it.
+        self.waiting = threading.Event()
         #: The producer thread; the consumer reports its death instead of waiting forever.
         self.thread: threading.Thread | None = None
+        #: Set before the producer thread starts, cleared as its body returns: for the
+        #: consumer's steady path, ``thread.is_alive()`` in one call instead of three. A thread
+        #: that ended without clearing it (killed at exit) is still seen by the waits below.
+        self.producing = threading.Event()
         #: Told of each hand-off: a threaded epoch's pacer (see :class:`HandOffObserver`); None:
         #: unpaced.
         self.pacer = pacer
@@ -149,11 +163,16 @@ class Channel:
 
     def acquire(self, give_up: Callable[[], bool]) -> bool:
         """Take a slot for the next message; False (holding none) once stopped or ``give_up()``."""
-        while not self.slots.acquire(timeout=POLL_S):
-            if self.stop.is_set() or give_up():
-                return False
+        take = self.slots.take
+        while True:
+            try:
+                take(True, POLL_S)
+                break
+            except queue.Empty:
+                if self.stop.is_set() or give_up():
+                    return False
         if self.stop.is_set() or give_up():
-            self.slots.release()
+            self.slots.give()
             return False
         return True
 
@@ -193,34 +212,40 @@ class Channel:
             ProducerDiedError: the producer thread ended without sending anything.
         """
         pacer = self.pacer
-        try:
+        if not self.items.empty():  # the only consumer: what it sees queued stays queued
             message = self.items.get_nowait()
-            self.slots.release()
+            self.slots.give()
             if pacer is not None:
                 pacer.handed_off()
                 if self.items.empty():
                     pacer.drained()  # a producer waiting to pull takes its wait again
             return message
-        except queue.Empty:
-            pass
         if pacer is not None:
             pacer.hurry_up()  # a producer waiting to pull would keep this consumer waiting
-        # Not inside the except block: an exception raised by the pull below would carry the
-        # Empty as its context, whose traceback holds this thread's frames (the training loop,
-        # the prefetcher). A source's generator that keeps that exception (accelerate's loader
-        # yields its last batch inside ``except StopIteration``) would keep them all alive.
+        # No ``queue.Empty`` caught on the way here: an exception raised by the pull below
+        # would carry it as its context, whose traceback holds this thread's frames (the
+        # training loop, the prefetcher). A source's generator that keeps that exception
+        # (accelerate's loader yields its last batch inside ``except StopIteration``) would
+        # keep them all alive.
         if self.auto_limit is not None:
             self._grow()
         # A pull here cannot be interrupted by a timeout, so none is done when one is set.
-        thread = self.thread  # a dead producer is for _wait to report
-        if timeout is None and pull_here is not None and thread is not None and thread.is_alive():
+        # A dead producer is for _wait to report.
+        if timeout is None and pull_here is not None and self.producing.is_set():
             stolen = pull_here()
             if stolen is not None:
                 if pacer is not None:
                     pacer.handed_off()
                 return stolen
-        message = self._wait(index, timeout)
-        self.slots.release()
+        # Whoever pulls ahead or not, a consumer that waits is served: a producer held back
+        # (pulling inline: see ``Puller.producer_may_pull``) pulls for it.
+        self.waiting.set()
+        self.wake.set()
+        try:
+            message = self._wait(index, timeout)
+        finally:
+            self.waiting.clear()
+        self.slots.give()
         if pacer is not None:
             pacer.handed_off()
         return message

@@ -35,6 +35,7 @@ from .._exit import track
 from .._sources.checks import describe, warn_drawn_ahead, warn_if_hidden_from_framework
 from .._staging.cuda import CudaStaging
 from .._warn import warn
+from . import producer_thread
 from .autodepth import auto_depth_limit
 from .channel import BATCH, END, ERROR, Channel, Message
 from .lineage import Lineage
@@ -95,6 +96,11 @@ class PrefetchIterator(Iterator[T]):
             self._staging.check_consumer if isinstance(self._staging, CudaStaging) else None
         )
         self._lineage = owner._lineage
+        #: The process's fork count when the prefetcher was built (see ``LatestProducer``).
+        self._forks = owner._lineage.producer.fork_generation
+        #: Whether to pull ahead or inline, judged by the consumer's pace; None with a
+        #: ``timeout=`` (the consumer pulls no batch itself then: a pull cannot time out).
+        self._overlap = owner._lineage.overlap if self._settings.timeout is None else None
         self._recorder = owner._recorder
         #: Batches the caller took from this iteration and has not given its step yet (a
         #: framework's loop that fetches ahead): a state saved now does not count them.
@@ -132,7 +138,7 @@ class PrefetchIterator(Iterator[T]):
             puller = self._puller
             if puller is None:
                 puller = self._start_or_end()
-            elif self._lineage.producer.forked():
+            elif producer_thread.fork_generation != self._forks:  # forked() without its call
                 self._lineage.producer.check_not_forked()
             elif self._launch_failed:
                 self._launch(puller)
@@ -149,7 +155,13 @@ class PrefetchIterator(Iterator[T]):
                 draws.report()  # here: at the user's line
                 return self._take(puller, message)
             message = puller.channel.get(self._index, timeout, puller.pull_here)
-            return self._take(puller, message)
+            batch = self._take(puller, message)
+            overlap = self._overlap
+            if overlap is not None:
+                overlap.left -= 1  # Overlap.handed_out, without its call
+                if overlap.left <= 0:
+                    overlap.turn(puller, puller.channel.depth)
+            return batch
         except KeyboardInterrupt:
             # Wherever it landed (starting the epoch, waiting, or inside the source when this
             # thread pulled a batch itself), the iteration stops and its producer with it.
@@ -207,6 +219,8 @@ class PrefetchIterator(Iterator[T]):
             self._index += 1
             if kind is ERROR:
                 lineage.error_handed_out(epoch, self._index, state)
+                if self._overlap is not None:
+                    self._overlap.interrupted(puller)
                 # One batch failed; the epoch goes on at the next next(), as a DataLoader's.
                 raise payload
             if self._staging.late:
@@ -229,6 +243,8 @@ class PrefetchIterator(Iterator[T]):
         if isinstance(payload, KeyboardInterrupt):
             raise payload  # from a pull in this thread: _next stops the iteration
         lineage.pass_ended(puller.channel.depth)
+        if self._overlap is not None:
+            self._overlap.interrupted(None)
         self._puller = None
         self._state = Lifecycle.DONE
         if kind is END:
@@ -282,6 +298,8 @@ class PrefetchIterator(Iterator[T]):
             if not lineage.epochs.draws.in_step:  # in step, it was opened when asked for
                 warn_drawn_ahead(lineage.epochs.kind)
             self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
+            if self._overlap is not None:
+                self._overlap.interrupted(ahead)
             return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
@@ -317,6 +335,8 @@ class PrefetchIterator(Iterator[T]):
         )
         self._state = Lifecycle.RUNNING
         self._puller = puller
+        if self._overlap is not None:
+            self._overlap.interrupted(puller)  # before it starts: it pulls the way in use
         if lineage.carry_over(channel):
             return puller
         if lineage.exhausted:
@@ -354,9 +374,11 @@ class PrefetchIterator(Iterator[T]):
                 daemon=True,  # never keeps the interpreter alive; stopped by an atexit hook
             )
         )
+        puller.channel.producing.set()  # before it starts: its end clears it
         try:
             thread.start()
         except RuntimeError as e:  # the OS refused a thread: the next next() tries again
+            puller.channel.producing.clear()
             self._launch_failed = True
             add_note(e, "nostall: raised starting the producer thread; nothing was lost")
             raise

@@ -41,7 +41,7 @@ class LatestProducer:
         self._epochs = epochs
         self._thread: threading.Thread | None = None
         #: ``_producer_thread.fork_generation`` when built: producers do not survive fork().
-        self._fork_generation = _producer_thread.fork_generation
+        self.fork_generation = _producer_thread.fork_generation
         #: A puller a ``timeout`` was raised on, with its (epoch, pulled) then and the timeout:
         #: stuck in the source while those have not moved (see :meth:`stuck`).
         self._stuck: tuple[weakref.ref[Puller], tuple[int, int], float] | None = None
@@ -57,7 +57,7 @@ class LatestProducer:
 
     def forked(self) -> bool:
         """Whether this process was forked since the prefetcher was built."""
-        return self._fork_generation != _producer_thread.fork_generation
+        return self.fork_generation != _producer_thread.fork_generation
 
     def check_not_forked(self) -> None:
         """Refuse to go on in a child process: the producer thread did not survive fork()."""

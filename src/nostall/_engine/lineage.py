@@ -19,6 +19,7 @@ from .._sources.samplers import readable_epoch
 from .._warn import warn
 from .channel import BATCH, Channel
 from .latest_producer import LatestProducer
+from .overlap import Overlap
 from .producer import Puller
 
 
@@ -75,6 +76,8 @@ class Lineage:
         self._pending_transform_state: Any = None
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
         self._checked_world = False
+        #: Whether the passes pull ahead or inline: judged across them, on the consumer's pace.
+        self.overlap = Overlap()
 
     @property
     def at(self) -> Position:
@@ -145,7 +148,8 @@ class Lineage:
     ) -> None:
         """A batch was handed out: the position moves, and its pull's effects are replayed."""
         self._at.advance(epoch, index, state, transform_state)
-        self.epochs.hand_out(hook, end=False)
+        if self.epochs.mirror is not None:  # EpochSource.hand_out, without its call otherwise
+            self.epochs.hand_out(hook, end=False)
 
     def error_handed_out(self, epoch: int, index: int, state: Any) -> None:
         """One batch's error was handed out: counted, and a generator it ended is exhausted.

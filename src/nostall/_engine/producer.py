@@ -31,6 +31,9 @@ from .channel import BATCH, END, ERROR, FAILED, POLL_S, Channel, Kind, Message
 #: Marks of an order drawn while someone set the sampler's epoch: equal to no marks.
 STALE: Any = object()
 
+# The puller's per-batch phases, told apart by identity (see ``Puller.phase``).
+_NEXT, _MOVING = "next(source)", "moving"
+
 
 class Puller:
     """Pulls the source's batches in order, stages them, and sends them into ``channel``.
@@ -91,8 +94,9 @@ class Puller:
         #: Nothing more will be pulled: the source ended (one epoch), failed, or was let go.
         self.finished = False
         self.pull_lock = threading.Lock()
-        #: What the puller is doing now; read in error messages.
-        self.phase = "not started"
+        #: What the puller is doing now (see :attr:`phase`): a text, or, per batch, ``_NEXT``
+        #: (batch ``pulled``) or ``_MOVING`` (batch ``pulled - 1``), formatted only when read.
+        self._phase = "not started"
         #: Called once with the first staged batch (``depth="auto"`` sizes its budget there).
         self.on_first_batch = on_first_batch
         #: Set once the producer thread gave itself its own intra-op thread count.
@@ -120,6 +124,9 @@ class Puller:
         #: ``batches`` was created and nothing pulled from it yet (in step, that first pull is
         #: where a sampler draws its order, and is not judged).
         self.untouched = False
+        #: The producer thread pulls nothing while set: the consumer pulls each batch when it
+        #: asks, as a serial loop does (set by :class:`nostall._engine.overlap.Overlap`).
+        self.inline = False
 
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
@@ -149,17 +156,33 @@ class Puller:
             self.channel.wake.set()  # judged clear: the producer may run ahead from now on
         return message
 
+    @property
+    def phase(self) -> str:
+        """What the puller is doing now, in words; read in error messages."""
+        phase = self._phase
+        if phase is _NEXT:
+            return f"next(source) for batch {self.pulled}"
+        if phase is _MOVING:
+            return f"moving batch {self.pulled - 1} to {self.staging.device}"
+        return phase
+
+    @phase.setter
+    def phase(self, text: str) -> None:
+        self._phase = text
+
     def _pull(self) -> Message:
         """:meth:`pull`, unwatched.
 
         Errors come back as the same object with a note of where they happened. Across
-        epochs, an epoch's end is followed by the next epoch's batches.
+        epochs, an epoch's end is followed by the next epoch's batches. Per batch it makes
+        as few calls as it can: every one holds the GIL between the source's calls and the
+        staging's, which on a GPU release it (see :mod:`nostall._engine.overlap`).
         """
         epoch = self.epoch
         epochs = self.epochs
-        name = threading.current_thread().name
         if self.batches is None:  # across epochs: the next one starts here
-            self.phase = f"iter(source) for epoch {epoch}"
+            name = threading.current_thread().name
+            self._phase = f"iter(source) for epoch {epoch}"
             with self.open_lock:
                 if self.taken_end < epoch - 1:
                     # Ahead of a consumer that asks for each end: nostall counts the epochs.
@@ -173,10 +196,14 @@ class Puller:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
             self.expected = epochs.length()
         index = self.pulled
-        self.phase = f"next(source) for batch {index}"
+        self._phase = _NEXT
+        staging = self.staging
         try:
-            with self.staging.source_context():
+            if staging.plain_source:
                 batch = next(self.batches)
+            else:
+                with staging.source_context():
+                    batch = next(self.batches)
         except StopIteration:
             self.batches = None
             if epoch not in self.marks:
@@ -188,7 +215,9 @@ class Puller:
             end_state = functools.partial(epochs.end_state, epoch)
             return self._with_state(END, index, epoch, end_state, epochs.after_pull(True))
         except BaseException as e:
+            self._phase = f"next(source) for batch {index}"  # before pulled moves past it
             self.pulled += 1  # the source moved past it: the next pull asks for the next batch
+            name = threading.current_thread().name
             where = f"raised by next(source) for batch {index}, in {name!r}"
             # A bare EOFError or connection reset from torch: say which worker died, if one did.
             dead = dead_workers_behind(e) if isinstance(e, (EOFError, ConnectionError)) else []
@@ -201,18 +230,22 @@ class Puller:
         finally:
             if self.batches is not None and epoch not in self.marks:
                 self._mark_drawn(epoch)  # the order is drawn by now
-        hook = epochs.after_pull(False)
-        self.phase = f"moving batch {index} to {self.staging.device}"
+        hook = None if epochs.mirror is None else epochs.after_pull(False)
+        self._phase = _MOVING
         self.pulled += 1
         try:
-            staged = self.staging.stage(batch)
+            staged = staging.stage(batch)
         except BaseException as e:
-            where = f"raised while moving batch {index} to {self.staging.device}, in {name!r}"
+            name = threading.current_thread().name
+            where = f"raised while moving batch {index} to {staging.device}, in {name!r}"
             return self._failed(e, where, hook)
         if self.on_first_batch is not None:
             on_first, self.on_first_batch = self.on_first_batch, None
             on_first(staged)
-        return self._with_state(BATCH, staged, epoch, lambda: epochs.batch_state(epoch), hook)
+        try:
+            return BATCH, staged, epoch, epochs.batch_state(epoch), hook
+        except BaseException as e:
+            return self._failed(e, "raised by the source's state_dict()", hook)
 
     def doing(self) -> str:
         """What the producer does now and, inside the source, where (for messages)."""
@@ -287,13 +320,29 @@ class Puller:
         """The consumer asks for what follows the failed batch: pulling may go on."""
         self.paused_at = None
 
+    def set_inline(self, inline: bool) -> None:
+        """Pull inline (the consumer pulls each batch) or ahead (the producer thread does)."""
+        self.inline = inline
+        if not inline:
+            self.channel.wake.set()
+
+    def producer_may_pull(self) -> bool:
+        """Whether the producer thread may pull the next batch now.
+
+        Not while pulling inline (the consumer pulls each batch), unless the consumer waits
+        for one instead (it found the puller busy); then, and otherwise, at the gate.
+        """
+        if self.inline and not self.channel.waiting.is_set():
+            return self.finished  # held back: the consumer pulls, unless it waits instead
+        return self.gate_open()
+
     def wait_at_gate(self) -> bool:
-        """Wait until the next pull may happen; False once the channel was let go."""
+        """Wait until the producer may pull; False once the channel was let go."""
         channel = self.channel
-        while not self.gate_open():
+        while not self.producer_may_pull():
             if channel.stop.is_set():
                 return False
-            if self.after_error:
+            if self.paused_at is not None:
                 return True  # the caller pauses: see produce()
             channel.wake.wait(POLL_S)
             channel.wake.clear()
@@ -312,8 +361,14 @@ class Puller:
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():
                 return None  # one was queued just before the lock, or it is not asked for
-            with self.staging.pull_context():
-                return self.pull()
+            if self.staging.plain_source:  # nothing to set around the pull (off CUDA)
+                message = self.pull()
+            else:
+                with self.staging.pull_context():
+                    message = self.pull()
+            if message[0] is END or message[0] is FAILED:
+                self.channel.wake.set()  # a producer held back inline ends now, not at its poll
+            return message
         finally:
             self.pull_lock.release()
 

@@ -38,7 +38,7 @@ def produce(puller: Puller) -> None:
     paused = False
 
     def give_up() -> bool:
-        return puller.after_error
+        return puller.paused_at is not None  # after_error, without its call
 
     try:
         try:
@@ -64,14 +64,14 @@ def produce(puller: Puller) -> None:
                     # (and may now touch the source itself: no pull may start after a stop).
                     channel.give_back()
                     return
-                if puller.after_error:
+                if puller.paused_at is not None:  # after_error, without its call
                     channel.give_back()  # the slot taken for a pull that will not happen
                     paused = True
                     return
-                if not puller.gate_open():
+                if not puller.producer_may_pull():
                     # The consumer pulled the last batch asked for itself since the gate was
                     # seen open: asking the source past it would have effects (a sampler's
-                    # draw at its end), so wait at the gate again.
+                    # draw at its end), so wait at the gate again (and pulling went inline).
                     channel.give_back()
                     continue
                 began = time.monotonic()
@@ -92,6 +92,7 @@ def produce(puller: Puller) -> None:
                 puller.batches, puller.finished = None, True
         puller.phase = "paused after an error" if paused else "ended"
         _live.discard(puller)
+        channel.producing.clear()
 
 
 # Pullers whose producer thread is running, so that interpreter exit can stop them first.

@@ -53,6 +53,8 @@ class Staging:
     #: True where the batch is moved and transformed in the consumer's thread, at hand-out
     #: (:class:`ConsumerThreadStaging`); the producer then only fetches it.
     late = False
+    #: True where :meth:`source_context` has nothing to set: the source is called bare.
+    plain_source = True
 
     def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None = None) -> None:
         """Stage batches to ``device``, transformed by ``transform`` when there is one.
@@ -67,6 +69,8 @@ class Staging:
         #: The transform when it keeps the state contract, decided once, here (a transform
         #: with half of it is refused: see :func:`nostall._transform_state.stateful`).
         self._stateful = stateful(transform)
+        #: A batch that is a tuple of plain CPU tensors is staged as it is (nothing to move).
+        self._cpu_as_is = device.type == "cpu" and transform is None
 
     def transform_state(self) -> Any:
         """The transform's state now (``None`` unless it is a ``StatefulTransform``)."""
@@ -108,6 +112,14 @@ class Staging:
 
     def stage(self, batch: Any) -> Staged:
         """Copy ``batch`` to the device, then transform it (producer thread)."""
+        if self._cpu_as_is and type(batch) is tuple:
+            # The common CPU batch, without a walk: a tuple is immutable, so handing out the
+            # same one is handing out an equal copy (the rebuilt tuple the walk would make).
+            for t in batch:
+                if type(t) is not torch.Tensor or not t.is_cpu:
+                    break
+            else:
+                return Staged(batch, None, [], None)
         device = self.device
         moved = map_tensors(
             batch,

@@ -61,6 +61,8 @@ class CudaStaging(Staging):
           ``torch.cuda.device``/``torch.cuda.stream`` would leave current before and after.
     """
 
+    plain_source = False  # the source runs on the target device and the source stream
+
     def __init__(
         self, device: torch.device, pin: bool, transform: Callable[[Any], Any] | None = None
     ) -> None:

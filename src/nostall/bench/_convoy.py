@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import queue
+import resource
 import shutil
 import statistics
 import subprocess
@@ -257,6 +258,9 @@ class Result:
     batches: int
     load_average: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     us: dict[Case, dict[str, list[float]]] = field(default_factory=dict)
+    #: Voluntary context switches of the process per batch (a thread blocked: on the GIL, a
+    #: lock or a queue), one value per epoch.
+    switches: dict[Case, dict[str, list[float]]] = field(default_factory=dict)
 
     def median(self, case: Case, name: str) -> float:
         return statistics.median(self.us[case][name])
@@ -311,17 +315,22 @@ def run_convoy(
             samples = Samples(source)
             loops = {k.name: k.make(source, samples, threads) for k in chosen}
             timings: dict[str, list[float]] = {name: [] for name in loops}
+            switches: dict[str, list[float]] = {name: [] for name in loops}
             for epoch in range(epochs + 1):  # the first epoch warms up, uncounted
                 for name, loop in loops.items():
+                    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
                     us = _epoch_us(loop, step_calls, batches)
+                    after = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
                     if epoch:
                         timings[name].append(us)
+                        switches[name].append((after - before) / batches)
                 if progress is not None:
                     progress(f"{case.label}: epoch {epoch}/{epochs}")
             for loop in loops.values():
                 if callable(close := getattr(loop, "close", None)):
                     close()
             result.us[case] = timings
+            result.switches[case] = switches
         result.load_average["end"] = os.getloadavg()
     return result
 
@@ -350,8 +359,11 @@ def format_table(result: Result) -> str:
     for column in ("source us", "step us", "K", "ideal", *names):
         table.add_column(column.replace("threads=N", f"threads={result.threads}"), justify="right")
     for case, timings in result.us.items():
+        switches = result.switches.get(case, {})
         cells = [
-            f"{statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f})" for t in timings.values()
+            f"{statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f})"
+            + (f" {statistics.median(switches[name]):.1f}sw" if switches.get(name) else "")
+            for name, t in timings.items()
         ]
         table.add_row(
             f"{case.source_us:g}", f"{case.step_us:g}", str(case.k), f"{case.ideal_us:g}", *cells
@@ -361,7 +373,8 @@ def format_table(result: Result) -> str:
         out.print(table)
         start, end = (result.load_average.get(k, (0.0,))[0] for k in ("start", "end"))
         out.print(
-            f"{result.batches} batches a epoch; GIL-free calls: {result.spin}; real-time "
+            f"median (min-max) us per batch, and the process's voluntary context switches per "
+            f"batch (sw); {result.batches} batches an epoch; GIL-free calls: {result.spin}; real-time "
             f"priority: {'yes' if result.realtime else 'no'}; load average {start:.2f} at the "
             f"start, {end:.2f} at the end; torch {torch.__version__}",
             markup=False,
