@@ -291,6 +291,7 @@ TINY_BENCH: dict[str, Any] = dict(
     regime_batch_size=4,
     launch_ops=20,
     handoff_batches=50,
+    convoy_batches=20,
     min_run_time=0.01,
     device="cpu",
 )

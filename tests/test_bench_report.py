@@ -148,3 +148,25 @@ def test_the_load_at_the_end_alone_can_make_a_run_too_busy() -> None:
     assert too_busy(result) is None
     result.load_average["end"] = [4.5, 3.0, 2.0]
     assert "4.5 at the end on 2 cores" in str(too_busy(result))
+
+
+def test_the_convoy_is_tabled_and_judged_against_the_loop_and_the_seed() -> None:
+    """Each case's figures in the hand-off section; the conclusion counts where nostall led."""
+    values = sweep([1.2], [1.9], [0.9])
+    for setting, loop, seed, ours in (("20,20,1", 42, 29, 28), ("20,20,8", 53, 70, 60)):
+        values[("convoy", setting, "serial loop", "us_per_batch")] = [loop, loop + 1]
+        values[("convoy", setting, "seed thread+Queue(2)", "us_per_batch")] = [seed, seed + 1]
+        values[("convoy", setting, OURS, "us_per_batch")] = [ours, ours + 1]
+    result = bench_result(values)
+    text = format_report(result)
+    assert "hand-off with GIL-free calls on both threads" in text
+    assert "60.5 (60.0-61.0)" in text
+    verdict = conclusion(result)[-1]
+    assert "in 1 of 2 cases" in verdict
+    assert "0.97x, 1.13x" in verdict  # 28.5 / 29.5 and 60.5 / 53.5
+
+
+def test_no_convoy_no_verdict() -> None:
+    """A run without the convoy says nothing about it."""
+    text = " ".join(conclusion(bench_result(sweep([1.2], [1.9], [0.9]))))
+    assert "GIL-free" not in text

@@ -40,6 +40,13 @@ def test_tiny_run_measures_every_contender_in_every_trial(tmp_path: Path) -> Non
     prefetchers = [k.name for k in c.chosen((), torch.device("cpu")) if k.prefetcher]
     assert ["serial DataLoader", *prefetchers] == result.contenders("handoff")
     assert ["gpu regime", "synthetic", "jpeg"] == result.settings("step")
+    # The convoy: each case for the loop, the seed and nostall, one figure per epoch.
+    assert ["20,20,1", "20,20,4", "20,20,8", "30,10,4", "5,50,4"] == result.settings("convoy")
+    assert ["serial loop", "seed thread+Queue(2)", "nostall"] == result.contenders("convoy")
+    convoy = result.stat("convoy", "20,20,4", "nostall", "us_per_batch")
+    assert convoy is not None
+    assert 3 == convoy.n
+    assert convoy.low >= 20  # the step's 20 us alone: no batch can take less
     assert set(result.load_average) == {"start", "end"}
     assert result.seconds > 0
     assert seen == sorted(seen)
@@ -49,12 +56,13 @@ def test_tiny_run_measures_every_contender_in_every_trial(tmp_path: Path) -> Non
 
 
 def test_contenders_and_the_jpeg_trial_can_be_left_out() -> None:
-    """--contenders picks; --jpeg-images 0 skips the JPEG files."""
-    only = {"jpeg_images": 0, "ratios": (1.0,), "contenders": ("nostall",)}
+    """--contenders picks; --jpeg-images 0 skips the JPEG files, --convoy-batches 0 the convoy."""
+    only = {"jpeg_images": 0, "ratios": (1.0,), "contenders": ("nostall",), "convoy_batches": 0}
     config = BenchConfig(**{**TINY_BENCH, **only})
     result = run_bench(config)
     assert ["nostall"] == result.contenders("synthetic")
     assert [] == result.settings("jpeg")
+    assert [] == result.settings("convoy")
     assert result.stat("synthetic", "1", "nostall", "speedup") is None  # no serial to compare
 
 

@@ -62,6 +62,11 @@ class BenchConfig:
         1000, "small torch ops in the GPU-regime step's launch phase", flag_count
     )
     handoff_batches: int = _knob(2000, "batches of the hand-off micro-benchmark", flag_count)
+    convoy_batches: int = _knob(
+        1000,
+        "batches of each GIL-convoy epoch: GIL-free calls on both threads, as on a GPU (0: none)",
+        _naturals,
+    )
     min_run_time: float = _knob(0.2, "seconds per micro-benchmark", flag_positive)
 
     def __post_init__(self) -> None:

@@ -131,7 +131,18 @@ TORCHDATA = Contender("torchdata.nodes", _torchdata_nodes, "torchdata", prefetch
 LOOKAHEAD = Contender("timm-style lookahead", _lookahead, cuda_only=True)
 NOSTALL = Contender("nostall", lambda s, d, n: prefetch(s.serial, d, depth=n), prefetcher=True)
 NOSTALL_WORKERS = Contender("nostall + workers", lambda s, d, n: prefetch(s.workers, d, depth=n))
-THREADS = os.cpu_count() or 1  # loading threads, one per core
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; a container's share), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+#: Loading threads: one per usable core, less one for the training thread where there are
+#: more than four (with all of them, loading and the step's launches fight for the cores).
+THREADS = usable_cores() - 1 if usable_cores() > 4 else usable_cores()
 NOSTALL_THREADS = Contender(
     f"nostall threads={THREADS}", lambda s, d, n: prefetch(s.serial, d, depth=n, threads=THREADS)
 )

@@ -374,9 +374,9 @@ def format_table(result: Result) -> str:
         start, end = (result.load_average.get(k, (0.0,))[0] for k in ("start", "end"))
         out.print(
             f"median (min-max) us per batch, and the process's voluntary context switches per "
-            f"batch (sw); {result.batches} batches an epoch; GIL-free calls: {result.spin}; real-time "
-            f"priority: {'yes' if result.realtime else 'no'}; load average {start:.2f} at the "
-            f"start, {end:.2f} at the end; torch {torch.__version__}",
+            f"batch (sw); {result.batches} batches an epoch; GIL-free calls: {result.spin}; "
+            f"real-time priority: {'yes' if result.realtime else 'no'}; load average "
+            f"{start:.2f} at the start, {end:.2f} at the end; torch {torch.__version__}",
             markup=False,
         )
     return captured.get()

@@ -32,8 +32,10 @@ def format_report(result: BenchResult, width: int = 150) -> str:
     start, end = (f"{result.load_average.get(k, [0.0])[0]:.2f}" for k in ("start", "end"))
     console.print(
         f"nostall bench on {m['device']}{' (' + m['gpu'] + ')' if 'gpu' in m else ''}: torch "
-        f"{m['torch']}, {m['cores']} cores ({m['cpu']}), {_count(m['workers'], 'loader worker')}, "
-        f"{m['compute_threads']} compute threads; load average {start} at the start, "
+        f"{m['torch']}, {m['cores']} cores ({m['cpu']}), {m.get('usable_cores', m['cores'])} "
+        f"usable, {_count(m['workers'], 'loader worker')}, "
+        f"{m.get('loading_threads', '?')} loading threads, {m['compute_threads']} compute "
+        f"threads; load average {start} at the start, "
         f"{end} at the end; {result.seconds:.0f} s. Figures: "
         f"median (min-max) of {cfg.repeats} repeats, the contenders alternating.",
         markup=False,
@@ -69,6 +71,7 @@ def format_report(result: BenchResult, width: int = 150) -> str:
         stat = result.stat("handoff", "", name, "us_per_batch")
         table.add_row(name, "baseline" if name == SERIAL else handoff_figure(stat))
     console.print(table)
+    _convoy_table(console, result)
     if result.measurements:
         console.print("micro-benchmarks (torch.utils.benchmark):")
         console.print(str(benchmark.Compare(result.measurements)), markup=False)
@@ -245,6 +248,9 @@ def conclusion(result: BenchResult) -> list[str]:
         out.append(
             f"Handing a batch over cost nostall {mine} us, the cheapest peer ({best}) {theirs} us."
         )
+    verdict = convoy_verdict(result)
+    if verdict is not None:
+        out.append(verdict)
     cores = result.machine.get("cores") or 1
     busy = result.load_average.get("start", [0.0])[0]  # at the end it counts the bench too
     if busy > 0.5 * cores:
@@ -253,6 +259,52 @@ def conclusion(result: BenchResult) -> list[str]:
             "cores): other work shared the cores, so spreads are wide and single figures move."
         )
     return out
+
+
+def _convoy_table(console: Console, result: BenchResult) -> None:
+    """The hand-off with GIL-free calls on both threads: us per batch per case."""
+    settings = result.settings("convoy")
+    if not settings:
+        return
+    table = Table(
+        title="hand-off with GIL-free calls on both threads, as on a GPU: us per batch "
+        f"({result.machine.get('convoy_calls', 'spin')})"
+    )
+    for column in ("source us", "step us", "K", "ideal"):
+        table.add_column(column, justify="right")
+    names = result.contenders("convoy")
+    for name in names:
+        table.add_column(name, justify="right")
+    for setting in settings:
+        source_us, step_us, k = setting.split(",")
+        ideal = max(float(source_us), float(step_us))
+        cells = [figure(result.stat("convoy", setting, n, "us_per_batch"), ".1f") for n in names]
+        table.add_row(source_us, step_us, k, f"{ideal:g}", *cells)
+    console.print(table)
+
+
+def convoy_verdict(result: BenchResult) -> str | None:
+    """In how many convoy cases nostall took at most the plain loop's and the seed's time."""
+    settings = result.settings("convoy")
+    if not settings:
+        return None
+    won, cases = 0, []
+    for setting in settings:
+        stats = {
+            n: result.stat("convoy", setting, n, "us_per_batch")
+            for n in result.contenders("convoy")
+        }
+        ours = stats.pop(NOSTALL, None)
+        if ours is None or not stats:
+            return None
+        best = min(s.median for s in stats.values() if s is not None)
+        won += ours.median <= best
+        cases.append(f"{ours.median / best:.2f}x")
+    return (
+        f"With GIL-free calls on both threads (as on a GPU), nostall took at most the time of "
+        f"the better of the plain loop and the seed's thread in {won} of {len(settings)} cases "
+        f"(nostall over that better one, by case: {', '.join(cases)})."
+    )
 
 
 def _handoffs(result: BenchResult) -> dict[str, Measured]:

@@ -24,6 +24,7 @@ from ..cuda._devices import host_info
 from ..cuda._timing import synchronize
 from . import _contenders as c
 from ._config import BenchConfig
+from ._convoy import CASES, run_convoy
 from ._records import BenchResult, Record
 from ._regime import device_seconds, device_trial
 from ._workloads import DeviceStep, JpegImages, SyntheticImages, jpeg_files, train_step
@@ -129,6 +130,23 @@ def handoff_trial(result: BenchResult, contenders: Sequence[c.Contender]) -> Non
         _add(result, "handoff", ("", k.name, "us_per_batch"), ((t - base) / n * 1e6 for t in times))
 
 
+#: The GIL convoy's contenders in the bench: the loop without nostall, the seed, nostall.
+CONVOY = ("serial loop", "seed thread+Queue(2)", "nostall")
+
+
+def convoy_trial(result: BenchResult) -> None:
+    """The hand-off when both threads make GIL-free calls (see :mod:`nostall.bench._convoy`).
+
+    Records per case (source us, step us, K) and contender: us per batch, one per epoch.
+    """
+    found = run_convoy(CASES, batches=result.config.convoy_batches, epochs=3, names=CONVOY)
+    result.machine["convoy_calls"] = found.spin
+    for case, timings in found.us.items():
+        setting = f"{case.source_us:g},{case.step_us:g},{case.k}"
+        for name, values in timings.items():
+            _add(result, "convoy", (setting, name, "us_per_batch"), values)
+
+
 def run_bench(
     config: BenchConfig, progress: Callable[[str, float], None] | None = None
 ) -> BenchResult:
@@ -138,11 +156,14 @@ def run_bench(
     rest, so that loading and computing do not fight over one core; the setting is restored.
     """
     device = resolve_device(config.device)
-    cores, threads_before = os.cpu_count() or 1, torch.get_num_threads()
+    cores, threads_before = c.usable_cores(), torch.get_num_threads()
     cpu = device.type == "cpu"
-    threads = config.compute_threads or (max(1, cores // 2) if cpu else threads_before)
+    # On a GPU the step's own CPU work is launching kernels: a quarter of the cores leave the
+    # rest to loading (torch's default, every core, oversubscribed them beside threads=).
+    threads = config.compute_threads or max(1, cores // 2 if cpu else cores // 4)
     workers = config.workers or max(1, min(8, cores - (threads if cpu else 1)))
     machine = {**host_info(), "device": str(device), "compute_threads": threads, "workers": workers}
+    machine.update(usable_cores=cores, loading_threads=c.THREADS)
     if device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(device)
     result = BenchResult(config, machine, {"start": list(os.getloadavg())})
@@ -186,6 +207,8 @@ def run_bench(
             step_seconds(result, "jpeg", step, (probe, labels))
             epoch_trial(result, "jpeg", f"{s}px", images, step, contenders, advance, n)
         handoff_trial(result, contenders)
+        if config.convoy_batches:
+            convoy_trial(result)
         result.seconds = time.perf_counter() - started
         result.load_average["end"] = list(os.getloadavg())
         return result
