@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nostall-installed
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: bench test test-perf test-cuda bench-cuda gpu-check lint typecheck check clean
+.PHONY: bench test test-perf test-cuda bench-cuda gpu-check gpu-triage lint typecheck check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,17 @@ bench-cuda: $(STAMP)
 	$(VENV)/bin/nostall bench --device cuda --json out/bench-cuda.json --plot out/bench-cuda.png
 	$(PY) benchmarks/h2d.py
 	$(PY) benchmarks/gpu_transforms.py --device cuda
+
+# The first thing to run on a GPU machine (offline, torch there; py-spy used when installed):
+# where each batch's time goes, in a few minutes, figures in GPU_TRIAGE_OUT. Without a GPU it
+# runs the CPU parts (the hand-off on the CPU, the GIL convoy) and exits 0; where PYTHON has
+# no torch, the project's virtual environment is made and used.
+GPU_TRIAGE_OUT ?= out/gpu-triage
+gpu-triage:
+	@if $(PYTHON) -c 'import torch' 2>/dev/null; then py=$(PYTHON); \
+	else $(MAKE) --no-print-directory $(STAMP) && py=$(PY); fi; \
+	echo "PYTHONPATH=src $$py benchmarks/gpu_triage.py --out $(GPU_TRIAGE_OUT)"; \
+	PYTHONPATH=src $$py benchmarks/gpu_triage.py --out $(GPU_TRIAGE_OUT)
 
 # On a GPU machine as it is (offline, torch already installed): no venv made, nothing installed.
 # The CUDA tests, the simulated suite, the GPU benchmarks and the suite, figures in GPU_CHECK_OUT;

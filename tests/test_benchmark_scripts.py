@@ -169,3 +169,31 @@ def test_handoff_calls_counts_per_batch_on_the_simulated_cuda() -> None:
     for table in ("nostall's functions", "called by nostall, outside it", "torch.cuda's Python"):
         assert f"===== {table}: " in done.stdout
     assert "_staging/cuda.py" in done.stdout
+
+
+def test_convoy_times_each_way_and_compares_two_checkouts() -> None:
+    """The GIL convoy on a tiny case; then this checkout against itself, rounds alternating."""
+    tiny = ("--batches", "30", "--epochs", "1", "--case", "5,5,2")
+    done = run("convoy.py", *tiny, "--contenders", "serial loop,nostall")
+    assert 0 == done.returncode, done.stderr
+    assert "GIL convoy" in done.stdout
+    assert "nostall" in done.stdout
+    src = str(SCRIPTS.parent / "src")
+    done = run("convoy.py", *tiny, "--contenders", "nostall", "--against", src, "--rounds", "1")
+    assert 0 == done.returncode, done.stderr
+    assert "| 5 | 5 | 2 | nostall |" in done.stdout
+
+
+def test_gpu_triage_runs_the_cpu_parts_without_a_gpu(tmp_path: Path) -> None:
+    """No GPU: the hand-off on the CPU and the convoy, figures in the folder, exit 0."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: make gpu-triage measures it")
+    done = run("gpu_triage.py", "--out", str(tmp_path), "--quick")
+    assert 0 == done.returncode, done.stdout + done.stderr
+    report = (tmp_path / "triage.md").read_text()
+    for part in ("## 2. The hand-off", "## 4. The GIL convoy", "## 5. py-spy"):
+        assert part in report
+    assert "nostall inline" in report
