@@ -467,6 +467,38 @@ def test_canary(
     assert kind in sim.kinds(), f"removing {removed} went unseen: {sim.hazards}"
 
 
+@pytest.mark.parametrize(
+    ("removed", "method", "replacement", "consumer", "kind"),
+    CANARIES,
+    ids=[f"{c[0]}-{c[3]}" for c in CANARIES],
+)
+def test_canary_with_tuples_of_tensors(
+    sim: Simulation,
+    monkeypatch: pytest.MonkeyPatch,
+    removed: str,
+    method: str,
+    replacement: Callable[..., Any],
+    consumer: str,
+    kind: Kind,
+) -> None:
+    """The common batch, (images, labels), staged without the walk: each canary still bites."""
+    monkeypatch.setattr(CudaStaging, method, replacement)
+    batches = [(x, x.sum((1, 2, 3))) for x in _images(8)]
+    _consume(sim, nostall.prefetch(batches, "cuda", depth=2), consumer)
+    assert kind in sim.kinds(), f"removing {removed} went unseen: {sim.hazards}"
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_tuples_and_lists_of_host_tensors(sim: Simulation, consumer: str, kind: type) -> None:
+    """The common batch, pinned or not, a view with gaps among them: right values, no hazard."""
+    images = _images(6)
+    batches = [kind([x, x[:, :, ::2], x.sum((1, 2, 3)).pin_memory()]) for x in images]
+    got = _consume(sim, nostall.prefetch(batches, "cuda", depth=2), consumer)
+    _same(got, _expected(batches))
+    assert sim.hazards == []
+
+
 def _shrinking(n: int = 8) -> list[torch.Tensor]:
     """Batches of 8, 7, 6, ... images: no two the same size, each smaller than the last."""
     g = torch.Generator().manual_seed(0)

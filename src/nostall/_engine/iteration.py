@@ -154,8 +154,14 @@ class PrefetchIterator(Iterator[T]):
                 message = puller.channel.get(self._index, timeout, puller.pull_here)
                 draws.report()  # here: at the user's line
                 return self._take(puller, message)
-            message = puller.channel.get(self._index, timeout, puller.pull_here)
-            batch = self._take(puller, message)
+            channel = puller.channel
+            # Pulling inline (see Overlap): this thread pulls, as a plain loop does; what was
+            # queued before the switch, or a pull the producer serves, comes through get().
+            inline = puller.inline and channel.empty()
+            pulled = puller.pull_here() if inline else None
+            if pulled is None:
+                pulled = channel.get(self._index, timeout, puller.pull_here)
+            batch = self._take(puller, pulled)
             overlap = self._overlap
             if overlap is not None:
                 overlap.left -= 1  # Overlap.handed_out, without its call

@@ -361,11 +361,12 @@ class Puller:
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():
                 return None  # one was queued just before the lock, or it is not asked for
+            pull = self.pull if self.epochs.draws.in_step else self._pull  # pull(), unwatched
             if self.staging.plain_source:  # nothing to set around the pull (off CUDA)
-                message = self.pull()
+                message = pull()
             else:
                 with self.staging.pull_context():
-                    message = self.pull()
+                    message = pull()
             if message[0] is END or message[0] is FAILED:
                 self.channel.wake.set()  # a producer held back inline ends now, not at its poll
             return message

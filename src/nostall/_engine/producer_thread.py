@@ -55,30 +55,32 @@ def produce(puller: Puller) -> None:
         while channel.acquire(give_up):
             if pacer is not None and not puller.epochs.draws.in_step:
                 pacer.wait(lambda: not channel.empty() and not channel.stop.is_set())
-            if not puller.wait_at_gate():
-                channel.give_back()
-                return
-            with puller.pull_lock:
-                if puller.finished or channel.stop.is_set():
-                    # The consumer pulled the end or an error itself, or let this channel go
-                    # (and may now touch the source itself: no pull may start after a stop).
+            while True:
+                with puller.pull_lock:
+                    if puller.finished or channel.stop.is_set():
+                        # The consumer pulled the end or an error itself, or let this channel
+                        # go (and may now touch the source itself: no pull after a stop).
+                        channel.give_back()
+                        return
+                    if puller.paused_at is not None:  # after_error, without its call
+                        channel.give_back()  # the slot taken for a pull that will not happen
+                        paused = True
+                        return
+                    if puller.producer_may_pull():
+                        if pacer is None:
+                            message = puller.pull()
+                        else:
+                            began = time.monotonic()
+                            message = puller.pull()
+                            pacer.pulled(time.monotonic() - began)
+                        channel.put(message)
+                        break
+                # Not now: the gate is closed (asking the source past what was asked for
+                # has effects: a sampler's draw at its end), or pulling went inline. Wait
+                # outside the lock, so that the consumer may pull, then look again.
+                if not puller.wait_at_gate():
                     channel.give_back()
                     return
-                if puller.paused_at is not None:  # after_error, without its call
-                    channel.give_back()  # the slot taken for a pull that will not happen
-                    paused = True
-                    return
-                if not puller.producer_may_pull():
-                    # The consumer pulled the last batch asked for itself since the gate was
-                    # seen open: asking the source past it would have effects (a sampler's
-                    # draw at its end), so wait at the gate again (and pulling went inline).
-                    channel.give_back()
-                    continue
-                began = time.monotonic()
-                message = puller.pull()
-                if pacer is not None:
-                    pacer.pulled(time.monotonic() - began)
-                channel.put(message)
             kind = message[0]
             del message  # the consumer owns the batch now
             if kind is FAILED or (kind is END and not puller.epochs.across_epochs):

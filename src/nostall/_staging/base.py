@@ -119,7 +119,8 @@ class Staging:
                 if type(t) is not torch.Tensor or not t.is_cpu:
                     break
             else:
-                return Staged(batch, None, [], None)
+                # Staged(...) made by tuple's C constructor: no Python frame per batch.
+                return tuple.__new__(Staged, (batch, None, [], None, ()))
         device = self.device
         moved = map_tensors(
             batch,

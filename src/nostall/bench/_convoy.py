@@ -223,6 +223,13 @@ class Contender:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
+def _held(source: Source, inline: bool) -> Iterable[Batch]:
+    """nostall pulling one way only, never trying the other (``Overlap.fix``)."""
+    prefetcher = prefetch(source, "cpu", depth=2)
+    prefetcher._lineage.overlap.fix(inline)
+    return prefetcher
+
+
 def _batches_of(samples: Samples) -> DataLoader[Batch]:
     return DataLoader(samples, batch_size=None)
 
@@ -239,6 +246,9 @@ CONTENDERS = (
         "torchdata.nodes", lambda s, _, __: _Epochs(lambda: _torchdata_nodes(s)), "torchdata"
     ),
     Contender("nostall", lambda s, _, __: prefetch(s, "cpu", depth=2)),
+    # Each of the two ways nostall chooses between, held (to see what the choice chose from).
+    Contender("nostall ahead", lambda s, _, __: _held(s, inline=False), "nostall._engine.overlap"),
+    Contender("nostall inline", lambda s, _, __: _held(s, inline=True), "nostall._engine.overlap"),
     Contender("serial DataLoader", lambda _, d, __: _batches_of(d), loader=True),
     Contender(
         "nostall threads=N",
