@@ -76,6 +76,16 @@ def test_ahead_is_kept_when_inline_is_not_faster_by_the_margin(clock: Clock) -> 
     assert [True, False] == puller.switches[:2]  # probed inline, then back
 
 
+def test_the_way_in_use_is_left_only_for_one_faster_by_the_margin(clock: Clock) -> None:
+    """Inline in use, ahead 3% faster: it stays inline (no flapping between equals)."""
+    overlap, puller = small(clock), FakePuller()
+    run(overlap, puller, clock, 2 + 4 + 3 + 4, ahead=1.0, inline=0.5)
+    assert (True, True) == (overlap.inline, puller.inline)
+    run(overlap, puller, clock, 8 + 4 + 3 + 4, ahead=0.97, inline=1.0)
+    assert (True, 0.97, 1.0) == pytest.approx(overlap.probes[-1])  # in use, ahead, inline
+    assert (True, True) == (overlap.inline, puller.inline)
+
+
 def test_a_probe_of_the_worse_way_stops_early(clock: Clock) -> None:
     """Inline 3x slower: the probe ends once it took longer than the whole ahead window."""
     overlap, puller = small(clock), FakePuller()

@@ -158,7 +158,7 @@ class PrefetchIterator(Iterator[T]):
             # Pulling inline (see Overlap): this thread pulls, as a plain loop does; what was
             # queued before the switch, or a pull the producer serves, comes through get().
             inline = puller.inline and channel.empty()
-            pulled = puller.pull_here() if inline else None
+            pulled = puller.pull_here(wait=True) if inline else None
             if pulled is None:
                 pulled = channel.get(self._index, timeout, puller.pull_here)
             batch = self._take(puller, pulled)

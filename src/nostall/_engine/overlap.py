@@ -49,8 +49,8 @@ class Overlap:
 
     The rule: after ``warmup`` batches, ``window`` batches (and at least ``window_s`` seconds)
     are timed the way in use, then, once the batches queued before the switch are handed out,
-    as many the other way; inline is kept only when it is at least ``margin`` faster. The
-    choice is held for ``hold`` batches, doubled each time a probe confirms it (quadrupled
+    as many the other way; the other way is taken only when it is at least ``margin`` faster.
+    The choice is held for ``hold`` batches, doubled each time a probe confirms it (quadrupled
     when the other way was at least 1.5 times slower; up to ``max_hold``), then probed again.
     A second way already slower than the whole first window (plus ``margin``) stops at once:
     a probe of the worse way costs at most about one window.
@@ -68,7 +68,7 @@ class Overlap:
         *,
         warmup: int = 16,
         window: int = 32,
-        window_s: float = 0.01,
+        window_s: float = 0.02,
         margin: float = 0.05,
         hold: int = 256,
         max_hold: int = 1 << 16,
@@ -135,7 +135,12 @@ class Overlap:
             keep_inline, clear = was_inline, True
         else:
             ahead, inline = (second, first) if was_inline else (first, second)
-            keep_inline = inline < ahead * (1 - self.margin)
+            # The way in use is left only for one faster by the margin: no flapping between
+            # two ways that take about as long.
+            if was_inline:
+                keep_inline = not ahead < inline * (1 - self.margin)
+            else:
+                keep_inline = inline < ahead * (1 - self.margin)
             clear = max(ahead, inline) >= 1.5 * min(ahead, inline)
             self.probes.append((was_inline, ahead, inline))
         if keep_inline == was_inline:

@@ -350,13 +350,15 @@ class Puller:
 
     # -- consumer side -------------------------------------------------------------------------
 
-    def pull_here(self) -> Message | None:
+    def pull_here(self, wait: bool = False) -> Message | None:
         """Pull the next message in the consumer's thread, or None when it may not.
 
         Only when nothing is queued, the producer is not inside the source, and the consumer
         has asked for it (the gate is open): then it would only wait for the same work.
+        ``wait``: pulling inline, wait for a pull the producer is making (then take its batch
+        from the queue) rather than wait for the producer to pull the next one too.
         """
-        if self.finished or not self.pull_lock.acquire(blocking=False):
+        if self.finished or not self.pull_lock.acquire(blocking=wait):
             return None  # nothing to pull, or the producer is pulling: wait for its batch
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():

@@ -56,6 +56,11 @@ def produce(puller: Puller) -> None:
             if pacer is not None and not puller.epochs.draws.in_step:
                 pacer.wait(lambda: not channel.empty() and not channel.stop.is_set())
             while True:
+                # Held back (pulling inline), it does not even touch the lock: a consumer
+                # finding it taken would wait for the producer's batch, turn after turn.
+                if puller.inline and not puller.wait_at_gate():
+                    channel.give_back()
+                    return
                 with puller.pull_lock:
                     if puller.finished or channel.stop.is_set():
                         # The consumer pulled the end or an error itself, or let this channel
@@ -67,6 +72,10 @@ def produce(puller: Puller) -> None:
                         paused = True
                         return
                     if puller.producer_may_pull():
+                        if puller.inline:
+                            # Held back, it serves one wait of the consumer's: the next
+                            # wait asks again (else it would run on ahead, contending).
+                            channel.waiting.clear()
                         if pacer is None:
                             message = puller.pull()
                         else:
