@@ -95,6 +95,15 @@ def test_a_probe_of_the_worse_way_stops_early(clock: Clock) -> None:
     assert [] == overlap.probes  # lost before its window ended: nothing to compare
 
 
+def test_a_clearly_worse_way_stops_after_one_window_of_batches(clock: Clock) -> None:
+    """A long first window (window_s) and inline 3x slower: stopped after ``window`` batches."""
+    overlap, puller = small(clock, window_s=20.0), FakePuller()
+    run(overlap, puller, clock, 2 + 20 + 3, ahead=1.0, inline=3.0)  # 20 s of ahead, settled
+    assert Phase.SECOND is overlap.phase
+    run(overlap, puller, clock, 4, ahead=1.0, inline=3.0)  # 12 s of 20: not past the window
+    assert (Phase.HOLD, [True, False]) == (overlap.phase, puller.switches)
+
+
 def test_a_confirmed_choice_is_held_longer_each_time(clock: Clock) -> None:
     """Each probe that confirms the way in use doubles the hold, quadruples it when clear."""
     overlap, puller = small(clock, hold=8, max_hold=10_000), FakePuller()

@@ -52,8 +52,9 @@ class Overlap:
     as many the other way; the other way is taken only when it is at least ``margin`` faster.
     The choice is held for ``hold`` batches, doubled each time a probe confirms it (quadrupled
     when the other way was at least 1.5 times slower; up to ``max_hold``), then probed again.
-    A second way already slower than the whole first window (plus ``margin``) stops at once:
-    a probe of the worse way costs at most about one window.
+    A second way already slower than the whole first window (plus ``margin``), or, after
+    ``window`` batches, 1.5 times slower a batch, stops at once: a probe of the worse way
+    costs at most about one window, and a clearly worse one about ``window`` batches.
 
     Invariants:
         * Per batch while holding, one decrement and one comparison (:meth:`handed_out`);
@@ -123,8 +124,13 @@ class Overlap:
             self._settle += 1
             self.left = 1
             elapsed = now - self._start
-            if elapsed > self._first_s * (1 + self.margin):
-                self._decide(puller, self._first_s / self._first_n, None)
+            first = self._first_s / self._first_n
+            if elapsed > self._first_s * (1 + self.margin) or (
+                self._settle >= self.window and elapsed > 1.5 * first * self._settle
+            ):
+                # Lost already: slower than the whole first window, or after a window's worth
+                # of batches half as fast again as the first way.
+                self._decide(puller, first, None)
             elif self._settle >= self._first_n:
                 self._decide(puller, self._first_s / self._first_n, elapsed / self._settle)
 
