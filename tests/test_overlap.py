@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +13,7 @@ from helpers import as_dataset
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
+from nostall import PrefetcherClosedError
 from nostall._engine.overlap import Overlap, Phase
 
 
@@ -251,3 +254,46 @@ def test_resume_mid_epoch_while_the_way_changes() -> None:
         second = nostall.prefetch(loader(), "cpu")
         second.load_state_dict(state)
         assert full == head + [int(b.sum()) for b in second]
+
+
+def test_close_reaches_a_consumer_pulling_inline_behind_a_slow_pull() -> None:
+    """Switched inline while the producer is inside a slow pull: close() still ends next()."""
+    release, entered = threading.Event(), threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        for i in range(10):
+            if i == 3:
+                entered.set()
+                release.wait(30)  # the producer stays inside the source until the test ends
+            yield torch.tensor([i])
+
+    prefetcher = nostall.prefetch(source(), "cpu")
+    prefetcher._lineage.overlap.fix(inline=False)
+    it = iter(prefetcher)
+    try:
+        assert [0, 1, 2] == [int(next(it)) for _ in range(3)]
+        assert entered.wait(10), "the producer never reached batch 3"
+        prefetcher._lineage.overlap.fix(inline=True)
+        puller = it._puller
+        assert puller is not None
+        puller.set_inline(True)  # as a probe switches it
+        closer = threading.Timer(0.2, prefetcher.close)
+        closer.start()
+        start = time.monotonic()
+        with pytest.raises(PrefetcherClosedError):
+            next(it)
+        assert time.monotonic() - start < 10  # the close, not the end of the slow pull
+        release.set()  # the producer leaves the source: close() stops waiting for it
+        closer.join()
+    finally:
+        release.set()
+
+
+@pytest.mark.filterwarnings("error")
+def test_pulling_inline_across_epochs_draws_nothing_ahead() -> None:
+    """Inline, each epoch opens at its first pull, in this thread: no "drawn ahead" warning."""
+    loader = DataLoader(as_dataset(range(12)), batch_size=3)  # draws its base seed at iter()
+    prefetcher = nostall.prefetch(loader, "cpu", across_epochs=True)
+    prefetcher._lineage.overlap.fix(inline=True)
+    for _ in range(3):
+        assert [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]] == [b.tolist() for b in prefetcher]

@@ -123,6 +123,21 @@ class Counted(Dataset[int]):
         return i
 
 
+def opened_ahead(batches: nostall.Prefetcher[Any]) -> None:
+    """Wait until the producer has begun opening the next epoch, ahead of the loop.
+
+    As in training, where validation or a checkpoint follows each epoch: the producer opens the
+    next one meanwhile. (An epoch it has not begun to open when the loop starts it again is
+    opened at that pass's first pull, with nothing of the loop's running: not ahead.)
+    """
+
+    def opening() -> bool:
+        ahead = batches._lineage._ahead
+        return ahead is not None and (ahead.batches is not None or ahead.epoch in ahead.open_marks)
+
+    wait_until(opening, "the producer to open the next epoch ahead")
+
+
 def test_an_epoch_opened_ahead_from_the_global_generator_is_warned_of() -> None:
     """across_epochs=True over an unseeded loader: warned at the loop's line, with the fix.
 
@@ -135,9 +150,11 @@ def test_an_epoch_opened_ahead_from_the_global_generator_is_warned_of() -> None:
     )
 
     def two_epochs() -> None:
-        for _ in range(2):
+        for epoch in range(2):
             for _ in batches:  # <- warns: epoch 1 was opened ahead
                 pass
+            if not epoch:
+                opened_ahead(batches)  # while the loop's own code runs after the epoch
 
     with pytest.warns(UserWarning, match=r"generator=torch\.Generator\(\)") as caught:
         two_epochs()
@@ -293,9 +310,11 @@ def test_an_unseeded_subset_sampler_opened_ahead_is_warned_of() -> None:
     batches = nostall.prefetch(loader, across_epochs=True)
 
     def two_epochs() -> None:
-        for _ in range(2):
+        for epoch in range(2):
             for _ in batches:
                 pass
+            if not epoch:
+                opened_ahead(batches)
 
     with pytest.warns(UserWarning, match="opened this epoch ahead"):
         two_epochs()

@@ -301,7 +301,10 @@ class PrefetchIterator(Iterator[T]):
             warn_if_hidden_from_framework(epochs.source, epochs.kind, self._settings.shard)
         ahead = lineage.take_ahead()
         if ahead is not None:
-            if not lineage.epochs.draws.in_step:  # in step, it was opened when asked for
+            # In step, it was opened when asked for; pulling inline, it is opened at the first
+            # pull of this pass, in this thread, as a plain loop opens it: no warning then.
+            opened = ahead.batches is not None or ahead.epoch in ahead.open_marks
+            if opened and not lineage.epochs.draws.in_step:
                 warn_drawn_ahead(lineage.epochs.kind)
             self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
             if self._overlap is not None:

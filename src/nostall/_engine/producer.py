@@ -358,7 +358,13 @@ class Puller:
         ``wait``: pulling inline, wait for a pull the producer is making (then take its batch
         from the queue) rather than wait for the producer to pull the next one too.
         """
-        if self.finished or not self.pull_lock.acquire(blocking=wait):
+        if self.finished:
+            return None
+        if wait:  # for the lock, not for a batch; but not past a stop (close(), a newer iter())
+            while not self.pull_lock.acquire(timeout=POLL_S):
+                if self.finished or self.channel.stop.is_set() or not self.channel.empty():
+                    return None  # get() takes the producer's batch, or says why none comes
+        elif not self.pull_lock.acquire(blocking=False):
             return None  # nothing to pull, or the producer is pulling: wait for its batch
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():
