@@ -59,11 +59,8 @@ def loops(pageable: list[Batch], pinned: list[Batch], device: torch.device) -> N
         print(f"{name:32s} {statistics.median(us):8.1f} us/batch ({min(us):.1f}-{max(us):.1f})")
 
 
-def primitives(device: torch.device) -> None:
-    """(2): each CUDA call of the staging path alone, in microseconds."""
-    if device.type != "cuda":
-        print("primitives: CUDA only")
-        return
+def primitive_timings(device: torch.device) -> dict[str, tuple[float, float]]:
+    """Each CUDA call of the staging path alone: label -> (median, IQR) in microseconds."""
     x, copy = torch.zeros(8), torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     pinned, on_device = x.pin_memory(), x.to(device)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -85,15 +82,27 @@ def primitives(device: torch.device) -> None:
         "stream.wait_event(event)": "torch.cuda.current_stream().wait_event(event)",
         "record_stream": "on_device.record_stream(copy)",
         "is_current_stream_capturing": "torch.cuda.is_current_stream_capturing()",
+        "a small kernel (add_)": "on_device.add_(1)",
     }
     default, index = torch.cuda.default_stream(device), on_device.device.index
     names = dict(x=x, pinned=pinned, on_device=on_device, copy=copy, event=event, device=device)
     names.update(default=default, index=index)
+    found = {}
     for label, stmt in statements.items():
         timer = benchmark.Timer(stmt, globals={**names, "torch": torch}, label=label)
         m = timer.blocked_autorange(min_run_time=0.2)
-        print(f"{label:42s} {m.median * 1e6:8.2f} us (IQR {m.iqr * 1e6:.2f})")
+        found[label] = (m.median * 1e6, m.iqr * 1e6)
     torch.cuda.synchronize(device)
+    return found
+
+
+def primitives(device: torch.device) -> None:
+    """(2): each CUDA call of the staging path alone, in microseconds."""
+    if device.type != "cuda":
+        print("primitives: CUDA only")
+        return
+    for label, (median, iqr) in primitive_timings(device).items():
+        print(f"{label:42s} {median:8.2f} us (IQR {iqr:.2f})")
 
 
 def profiled(pageable: list[Batch], device: torch.device) -> None:

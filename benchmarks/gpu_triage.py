@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import benchmark
 
 import nostall
 from nostall.bench._convoy import CASES, format_table, run_convoy
@@ -81,37 +80,15 @@ def machine(device: torch.device) -> str:
 
 
 def primitives(report: Report, device: torch.device) -> None:
-    """(1) each CUDA call alone."""
-    x, copy = torch.zeros(8), torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    pinned, on_device = x.pin_memory(), x.to(device)
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(copy)
-    statements = {
-        "pin_memory (8 floats)": "x.pin_memory()",
-        ".to(device, non_blocking) from pinned": "pinned.to(device, non_blocking=True)",
-        ".to(device) from pageable": "x.to(device)",
-        "Event() + record": "e = torch.cuda.Event(); e.record(copy)",
-        "set_stream(copy), set_stream(default)": (
-            "torch.cuda.set_stream(copy); torch.cuda.set_stream(default)"
-        ),
-        "current_stream(index)": "torch.cuda.current_stream(index)",
-        "stream.wait_event(event)": "default.wait_event(event)",
-        "record_stream": "on_device.record_stream(copy)",
-        "is_pinned (pinned)": "pinned.is_pinned()",
-        "a small kernel (add_)": "on_device.add_(1)",
-    }
-    default, index = torch.cuda.default_stream(device), on_device.device.index
-    scope = dict(x=x, pinned=pinned, on_device=on_device, copy=copy, event=event, torch=torch)
-    scope.update(default=default, index=index)
+    """(1) each CUDA call alone (``benchmarks/cuda_handoff.py``'s list)."""
+    from cuda_handoff import primitive_timings  # beside this script
+
     report.say("## 1. Each CUDA call alone (us, median of timed blocks)")
     report.say()
-    found = {}
-    for label, stmt in statements.items():
-        m = benchmark.Timer(stmt, globals=scope).blocked_autorange(min_run_time=0.2)
-        found[label] = m.median * 1e6
-        report.say(f"- {label}: {m.median * 1e6:.2f} us (IQR {m.iqr * 1e6:.2f})")
-    torch.cuda.synchronize(device)
-    report.figures["primitives_us"] = found
+    found = primitive_timings(device)
+    for label, (median, iqr) in found.items():
+        report.say(f"- {label}: {median:.2f} us (IQR {iqr:.2f})")
+    report.figures["primitives_us"] = {label: median for label, (median, _) in found.items()}
     report.say()
 
 
