@@ -21,7 +21,7 @@ bench: $(STAMP)
 	$(VENV)/bin/nostall bench --json out/bench.json --plot out/bench.png
 
 # Two pytest-xdist workers, a test file each at a time (a module's fixtures are made once):
-# on the 2-core machine the suite takes about 8.5 min so (it grew; it took 5.5 when it was half).
+# on the 2-core machine the suite takes about 9.5 min so (it grew; it took 5.5 when it was half).
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile
 
