@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,21 @@ def test_gpu_triage_runs_the_cpu_parts_without_a_gpu(tmp_path: Path) -> None:
     for part in ("## 2. The hand-off", "## 4. The GIL convoy", "## 5. py-spy"):
         assert part in report
     assert "nostall inline" in report
+
+
+#: nostall's own Python calls per batch of two tensors on the simulated CUDA (torch's own
+#: Python for its stream and device contexts), by who pulls: the most this path may make.
+#: Every one holds the GIL between the two threads' GIL-free CUDA calls. They only shrink
+#: (58 and 57 before the inline path and the one-pass staging; the aim is 25).
+CALLS_PER_BATCH = {"producer": 31.0, "consumer": 34.0}
+
+
+@pytest.mark.parametrize("path", sorted(CALLS_PER_BATCH))
+def test_the_calls_per_batch_do_not_grow(path: str) -> None:
+    """The hand-off's steady path, counted by benchmarks/handoff_calls.py: at most the ratchet."""
+    args = ("--torch-python", "--path", path, "--n1", "50", "--n2", "250", "--simulated")
+    done = run("handoff_calls.py", *args)
+    assert 0 == done.returncode, done.stdout + done.stderr
+    found = re.search(r"nostall's functions: ([0-9.]+) per batch", done.stdout)
+    assert found is not None, done.stdout
+    assert float(found.group(1)) <= CALLS_PER_BATCH[path], done.stdout
