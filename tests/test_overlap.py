@@ -107,6 +107,17 @@ def test_a_clearly_worse_way_stops_after_one_window_of_batches(clock: Clock) -> 
     assert (Phase.HOLD, [True, False]) == (overlap.phase, puller.switches)
 
 
+def test_a_far_worse_way_stops_after_a_quarter_window(clock: Clock) -> None:
+    """Batches slow enough that a window is many seconds: a way 3x slower stops after 4."""
+    overlap, puller = small(clock, window=16, window_s=0.0), FakePuller()
+    run(overlap, puller, clock, 2 + 16 + 3, ahead=1.0, inline=3.0)
+    assert Phase.SECOND is overlap.phase
+    run(overlap, puller, clock, 3, ahead=1.0, inline=3.0)
+    assert Phase.SECOND is overlap.phase  # 3 batches: not enough to judge
+    run(overlap, puller, clock, 1, ahead=1.0, inline=3.0)
+    assert (Phase.HOLD, [True, False]) == (overlap.phase, puller.switches)
+
+
 def test_a_confirmed_choice_is_held_longer_each_time(clock: Clock) -> None:
     """Each probe that confirms the way in use doubles the hold, quadruples it when clear."""
     overlap, puller = small(clock, hold=8, max_hold=10_000), FakePuller()

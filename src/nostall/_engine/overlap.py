@@ -53,8 +53,9 @@ class Overlap:
     The choice is held for ``hold`` batches, doubled each time a probe confirms it (quadrupled
     when the other way was at least 1.5 times slower; up to ``max_hold``), then probed again.
     A second way already slower than the whole first window (plus ``margin``), or, after
-    ``window`` batches, 1.5 times slower a batch, stops at once: a probe of the worse way
-    costs at most about one window, and a clearly worse one about ``window`` batches.
+    ``window`` batches, 1.5 times slower a batch (after a quarter of them, twice as slow),
+    stops at once: a probe of the worse way costs at most about one window, a clearly worse
+    one about ``window`` batches, a far worse one a quarter of that.
 
     Invariants:
         * Per batch while holding, one decrement and one comparison (:meth:`handed_out`);
@@ -125,11 +126,14 @@ class Overlap:
             self.left = 1
             elapsed = now - self._start
             first = self._first_s / self._first_n
-            if elapsed > self._first_s * (1 + self.margin) or (
-                self._settle >= self.window and elapsed > 1.5 * first * self._settle
+            n = self._settle
+            if (
+                elapsed > self._first_s * (1 + self.margin)
+                or (n >= self.window and elapsed > 1.5 * first * n)
+                or (n >= max(4, self.window // 4) and elapsed > 2 * first * n)
             ):
-                # Lost already: slower than the whole first window, or after a window's worth
-                # of batches half as fast again as the first way.
+                # Lost already: slower than the whole first window; or, after a window's worth
+                # of batches, 1.5 times slower a batch; or, after a quarter of it, twice.
                 self._decide(puller, first, None)
             elif self._settle >= self._first_n:
                 self._decide(puller, self._first_s / self._first_n, elapsed / self._settle)
