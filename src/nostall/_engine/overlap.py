@@ -139,7 +139,7 @@ class Overlap:
                 self._decide(puller, self._first_s / self._first_n, elapsed / self._settle)
 
     def _decide(self, puller: Pulling, first: float, second: float | None) -> None:
-        """Keep the faster way (inline only by ``margin``); hold it, longer when confirmed."""
+        """Keep the faster way (the other only by ``margin``); hold it, longer when confirmed."""
         was_inline = self.inline
         if second is None:  # the second way lost before its window ended
             keep_inline, clear = was_inline, True
