@@ -16,6 +16,9 @@ runs torch's own ``torch.cuda.stream``, ``torch.cuda.device`` and ``current_stre
 over the simulation, so that (3) counts what a GPU machine runs. Counts, not times: the
 simulation's costs are not a GPU's.
 
+``--device cpu`` counts the hand-off to the CPU instead (no CUDA, simulated or not).
+After the tables, the modules a batch passes through: those with a call per batch or more.
+
 Run: ``PYTHONPATH=src python3 benchmarks/handoff_calls.py [--torch-python] [--pinned]``.
 """
 
@@ -39,8 +42,8 @@ import nostall
 Func = tuple[str, int, str]
 
 
-def profiled_loop(n: int, depth: int, pinned: bool, path: str) -> pstats.Stats:
-    """One pass of ``n`` batches through ``nostall.prefetch(list, "cuda")``, every thread seen.
+def profiled_loop(n: int, depth: int, pinned: bool, path: str, device: str) -> pstats.Stats:
+    """One pass of ``n`` batches through ``nostall.prefetch(list, device)``, every thread seen.
 
     ``path``: who pulls the batches, as the threads run (``any``), the producer thread alone
     (``producer``: a ``timeout=`` keeps the consumer from pulling), or the consumer alone
@@ -61,7 +64,7 @@ def profiled_loop(n: int, depth: int, pinned: bool, path: str) -> pstats.Stats:
     profiles[0].enable()
     timeout = 60.0 if path == "producer" else None
     held = held_producer() if path == "consumer" else contextlib.nullcontext()
-    with nostall.prefetch(source, "cuda", depth=depth, timeout=timeout) as loop, held:
+    with nostall.prefetch(source, device, depth=depth, timeout=timeout) as loop, held:
         got = sum(1 for _ in loop)
     profiles[0].disable()
     threading.setprofile(None)
@@ -165,22 +168,42 @@ def main() -> None:
     parser.add_argument("--simulated", action="store_true", help="even where a GPU is")
     parser.add_argument("--torch-python", action="store_true", help="see the module's doc")
     parser.add_argument("--all", action="store_true", help="builtins too, in table 2")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the target")
     args = parser.parse_args()
-    fake = args.simulated or not torch.cuda.is_available()
+    cpu = args.device == "cpu"
+    fake = not cpu and (args.simulated or not torch.cuda.is_available())
     with simulated(args.torch_python) if fake else contextlib.nullcontext():
-        few = counts(profiled_loop(args.n1, args.depth, args.pinned, args.path))
-        many = counts(profiled_loop(args.n2, args.depth, args.pinned, args.path))
+        few = counts(
+            profiled_loop(args.n1, args.depth, args.pinned and not cpu, args.path, args.device)
+        )
+        many = counts(
+            profiled_loop(args.n2, args.depth, args.pinned and not cpu, args.path, args.device)
+        )
     span = args.n2 - args.n1
     titles = ["nostall's functions", "called by nostall, outside it", "torch.cuda's Python"]
-    where = f"{'simulated CUDA' if fake else 'CUDA'}, torch {torch.__version__}, pulls: {args.path}"
-    print(f"calls per batch ({where})")
-    for title, a, b in zip(titles, few, many, strict=True):
+    kind = "CPU" if cpu else "simulated CUDA" if fake else "CUDA"
+    print(f"calls per batch ({kind}, torch {torch.__version__}, pulls: {args.path})")
+    for i, (title, a, b) in enumerate(zip(titles, few, many, strict=True)):
         rows = [((b.get(k, 0) - a.get(k, 0)) / span, k) for k in set(a) | set(b)]
         rows = [(per, k) for per, k in rows if abs(per) >= 0.01]
         print(f"===== {title}: {sum(per for per, _ in rows):.2f} per batch")
         for per, key in sorted(rows, key=lambda r: (-r[0], r[1])):
             if args.all or not (key.startswith(("<", "{")) and "torch" not in key):
                 print(f"{per:7.2f}  {key}")
+        if i == 0:
+            print(f"===== nostall's modules: {', '.join(modules(rows))}")
+
+
+def modules(rows: list[tuple[float, str]]) -> list[str]:
+    """The modules a batch passes through: those with a call per batch or more, on average.
+
+    A call every few batches (a pace decision) does not count.
+    """
+    per_module: dict[str, float] = {}
+    for per, key in rows:
+        module = key.split(":", 1)[0]
+        per_module[module] = per_module.get(module, 0.0) + per
+    return sorted(m for m, per in per_module.items() if per >= 0.5)
 
 
 if __name__ == "__main__":

@@ -203,16 +203,29 @@ def test_gpu_triage_runs_the_cpu_parts_without_a_gpu(tmp_path: Path) -> None:
 #: nostall's own Python calls per batch of two tensors on the simulated CUDA (torch's own
 #: Python for its stream and device contexts), by who pulls: the most this path may make.
 #: Every one holds the GIL between the two threads' GIL-free CUDA calls. They only shrink
-#: (58 and 57 before the inline path and the one-pass staging; the aim is 25).
-CALLS_PER_BATCH = {"producer": 31.0, "consumer": 34.0}
+#: (58 and 57 before the inline path and the one-pass staging, 31 and 34 before the steady
+#: path was written out; the aim was 25 for both threads together). Measured 18.2 and
+#: 19.2-20.0: the rest is what depends on the threads' timing (a wait in ``get``, the
+#: overlap's probes), each at most one call a batch.
+CALLS_PER_BATCH = {"producer": 20.0, "consumer": 22.0}
+#: The modules one batch passes through (a call per batch or more), at most.
+MODULES_PER_BATCH = 6
 
 
 @pytest.mark.parametrize("path", sorted(CALLS_PER_BATCH))
 def test_the_calls_per_batch_do_not_grow(path: str) -> None:
-    """The hand-off's steady path, counted by benchmarks/handoff_calls.py: at most the ratchet."""
+    """The hand-off's steady path, counted by benchmarks/handoff_calls.py: at most the ratchet.
+
+    Calls and modules, producer and consumer threads together.
+    """
     args = ("--torch-python", "--path", path, "--n1", "50", "--n2", "250", "--simulated")
     done = run("handoff_calls.py", *args)
     assert 0 == done.returncode, done.stdout + done.stderr
     found = re.search(r"nostall's functions: ([0-9.]+) per batch", done.stdout)
     assert found is not None, done.stdout
     assert float(found.group(1)) <= CALLS_PER_BATCH[path], done.stdout
+    crossed = re.search(r"nostall's modules: (.*)", done.stdout)
+    assert crossed is not None, done.stdout
+    modules = crossed.group(1).split(", ")
+    assert all(m.startswith("nostall/") for m in modules), modules
+    assert len(modules) <= MODULES_PER_BATCH, done.stdout

@@ -63,10 +63,13 @@ def test_slots_bound_what_is_in_flight() -> None:
     done.set()
 
 
-def test_acquire_gives_up_without_holding_a_slot() -> None:
+def test_acquire_gives_up_waiting_without_holding_a_slot() -> None:
+    """``give_up`` is asked while no slot is free; a free slot is taken without asking it."""
     channel = Channel(1, "list")
-    assert not channel.acquire(lambda: True)
-    assert channel.acquire(never)  # the slot is still free: give_up left none held
+    assert channel.acquire(lambda: True)  # a free slot: taken (the producer looks again)
+    assert not channel.acquire(lambda: True)  # none free: given up, none held
+    channel.give_back()
+    assert channel.acquire(never)  # the one slot is free again: giving up took none
 
 
 def test_give_back_frees_the_slot() -> None:

@@ -24,13 +24,15 @@ the user's line), ``_arguments`` (``TypeError`` for a wrong type, ``ValueError``
 value), ``_device``, ``_torch_compat``, ``_stacks``, ``_exit``, ``_thread_bound``,
 ``_transform_state``; ``_loader_attributes`` is the facade's base class.
 
-One batch in the steady state (a batch ready, no error, no epoch boundary) passes, in the
-producer thread, ``_engine.producer_thread`` -> ``_engine.producer`` (with ``_epochs.epochs``
-and ``_epochs.drawn_orders``) -> ``_staging.cuda`` and ``_staging.base`` (with ``cuda._tree``
-and ``cuda._transfer``) -> ``_engine.channel``; and in the consumer's ``next()``,
-``_engine.iteration`` -> ``_engine.channel`` -> ``_staging.cuda`` -> ``_engine.lineage`` and
-``_epochs.resume`` (plus ``_engine.latest_producer``'s fork check and, for Lightning's
-fetcher, ``_clients.lightning``).
+One batch in the steady state (a batch ready, no error, no epoch boundary) passes six modules:
+in the producer thread, ``_engine.producer_thread`` (its loop) -> ``_engine.producer`` ->
+``_staging.cuda`` (or ``_staging.base`` off CUDA) -> ``_engine.channel``; in the consumer's
+``next()``, ``_engine.iteration`` -> ``_engine.channel`` -> ``_engine.lineage`` (the position)
+-> ``_staging.cuda`` (the consumer's stream waits). A consumer that pulls the batch itself
+(see ``_engine.overlap``) goes ``_engine.iteration`` -> ``_engine.producer`` ->
+``_staging.cuda`` -> ``_engine.lineage``. Everything decided per epoch or on a rare event
+(the draw watch, resume records, the clients, the fork check) is decided as the epoch opens or
+read from a flag; ``benchmarks/handoff_calls.py`` counts the calls, and a test holds them.
 """
 
 import types as _types

@@ -300,7 +300,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         self._resolve_shard()  # once the previous epoch ended: never mid-epoch
         # Lightning's loop over a loader without a length fetches one batch ahead of its step.
         fetcher = iterating_fetcher()
-        iteration: PrefetchIterator[T] = PrefetchIterator(
+        iteration: PrefetchIterator[T] = PrefetchIterator.of(
             self, lambda: held_ahead(fetcher) if fetcher is not None else 0
         )
         lineage.began(iteration)

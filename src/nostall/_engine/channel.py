@@ -162,7 +162,11 @@ class Channel:
     # -- producer side -------------------------------------------------------------------------
 
     def acquire(self, give_up: Callable[[], bool]) -> bool:
-        """Take a slot for the next message; False (holding none) once stopped or ``give_up()``."""
+        """Take a slot for the next message; False (holding none) once stopped.
+
+        ``give_up()`` is asked while no slot is free: True also returns False. Once a slot
+        is taken it is not asked (a call per batch): the caller looks again before pulling.
+        """
         take = self.slots.take
         while True:
             try:
@@ -171,7 +175,7 @@ class Channel:
             except queue.Empty:
                 if self.stop.is_set() or give_up():
                     return False
-        if self.stop.is_set() or give_up():
+        if self.stop.is_set():
             self.slots.give()
             return False
         return True

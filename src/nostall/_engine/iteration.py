@@ -20,7 +20,7 @@ import enum
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -90,11 +90,14 @@ class PrefetchIterator(Iterator[T]):
         # and this object must be collectable on its own.
         self._settings = owner._settings  # frozen: the settings as this iteration began
         self._staging = owner._staging
-        #: Asked before each batch is taken; None where there is nothing to check (off CUDA),
-        #: so the CPU hand-off pays nothing for it.
-        self._check_consumer = (
-            self._staging.check_consumer if isinstance(self._staging, CudaStaging) else None
-        )
+        on_cuda = isinstance(self._staging, CudaStaging)
+        #: Asked before each batch is taken: True while the consumer's stream captures a CUDA
+        #: graph (then ``check_consumer`` raises). None off CUDA: nothing to ask.
+        self._capturing = torch.cuda.is_current_stream_capturing if on_cuda else None
+        #: Makes the consumer's stream wait for a batch (CUDA); None: the batch is ready.
+        self._hand_out = self._staging.hand_out if on_cuda else None
+        #: Batches moved in the consumer's thread as they are handed out (MPS).
+        self._late = self._staging.late
         self._lineage = owner._lineage
         #: The process's fork count when the prefetcher was built (see ``LatestProducer``).
         self._forks = owner._lineage.producer.fork_generation
@@ -119,22 +122,16 @@ class PrefetchIterator(Iterator[T]):
         return self
 
     def __next__(self) -> T:
-        recorder = self._recorder
-        if recorder is None:
-            return self._next()
-        recorder.before_next()
-        try:
-            batch = self._next()
-        except BaseException:
-            recorder.end()
-            raise
-        recorder.after_next(batch)
-        return batch
+        """The next batch: what the loop's ``next()`` runs, for every batch.
 
-    def _next(self) -> T:
+        Its steady path (a batch, no error, no epoch boundary) is written out here, each
+        rarer case in a method of its own: every call made between the GIL-free calls of the
+        source and the staging lengthens a hand-over of the GIL (see :mod:`.overlap`).
+        """
         try:
-            if self._check_consumer is not None:
-                self._check_consumer()
+            capturing = self._capturing
+            if capturing is not None and capturing():
+                self._staging.check_consumer()  # raises: not while a CUDA graph is captured
             puller = self._puller
             if puller is None:
                 puller = self._start_or_end()
@@ -161,7 +158,16 @@ class PrefetchIterator(Iterator[T]):
             pulled = puller.pull_here(wait=True) if inline else None
             if pulled is None:
                 pulled = channel.get(self._index, timeout, puller.pull_here)
-            batch = self._take(puller, pulled)
+            kind, staged, epoch, state, hook = pulled
+            if kind is BATCH and self._threads is None and not self._late:
+                # A batch: _take, without its call.
+                self._index = index = self._index + 1
+                self._lineage.handed_out(epoch, index, state, staged.transform_state, hook)
+                hand_out = self._hand_out
+                batch: T = staged.batch if hand_out is None else hand_out(staged)
+            else:
+                batch = self._take(puller, pulled)
+            del staged, pulled
             overlap = self._overlap
             if overlap is not None:
                 overlap.left -= 1  # Overlap.handed_out, without its call
@@ -203,6 +209,12 @@ class PrefetchIterator(Iterator[T]):
                 raise
             raise error  # noqa: B904  (raised while the first was noted: its context stays)
 
+    @staticmethod
+    def of(owner: Owner, held_ahead: Callable[[], int] = lambda: 0) -> PrefetchIterator[Any]:
+        """A pass of ``owner``: recorded (:class:`RecordedIteration`) where it profiles."""
+        kind = PrefetchIterator if owner._recorder is None else RecordedIteration
+        return kind(owner, held_ahead)
+
     def _start_or_end(self) -> Puller:
         """No producer: start one on the first next(), else say why nothing more comes."""
         if self._state is Lifecycle.CREATED:
@@ -243,11 +255,11 @@ class PrefetchIterator(Iterator[T]):
                 lineage.handed_out(epoch, self._index, state, transform_state, hook)
                 return batch  # type: ignore[no-any-return]
             lineage.handed_out(epoch, self._index, state, payload.transform_state, hook)
-            if self._check_consumer is None:
+            if self._hand_out is None:
                 return payload.batch  # type: ignore[no-any-return]  # off CUDA: nothing to wait for
-            return self._staging.hand_out(payload)  # type: ignore[no-any-return]
+            return self._hand_out(payload)  # type: ignore[no-any-return]
         if isinstance(payload, KeyboardInterrupt):
-            raise payload  # from a pull in this thread: _next stops the iteration
+            raise payload  # from a pull in this thread: __next__ stops the iteration
         lineage.pass_ended(puller.channel.depth)
         if self._overlap is not None:
             self._overlap.interrupted(None)
@@ -426,3 +438,19 @@ class PrefetchIterator(Iterator[T]):
         if puller is not None:
             self._lineage.pass_ended(puller.channel.depth)
             puller.stop()
+
+
+class RecordedIteration(PrefetchIterator[T]):
+    """A pass whose loop waits are recorded (``profile=True``), each ``next()`` timed."""
+
+    def __next__(self) -> T:
+        recorder = self._recorder
+        assert recorder is not None  # made only with one (see PrefetchIterator.of)
+        recorder.before_next()
+        try:
+            batch = super().__next__()
+        except BaseException:
+            recorder.end()
+            raise
+        recorder.after_next(batch)
+        return batch

@@ -75,7 +75,6 @@ class Lineage:
         #: previous producer may still be transforming a batch).
         self._pending_transform_state: Any = None
         #: Multi-rank run seen at the first epoch (warned once when the loader is unsharded).
-        self._checked_world = False
         #: Whether the passes pull ahead or inline: judged across them, on the consumer's pace.
         self.overlap = Overlap()
 
@@ -108,9 +107,11 @@ class Lineage:
         self._active = weakref.ref(iteration)
 
     def first_epoch(self) -> bool:
-        """True the first time it is asked: the first epoch is starting."""
-        first, self._checked_world = not self._checked_world, True
-        return first
+        """Whether the first pass is starting: no pass has ended or stopped yet.
+
+        (A first pass whose start raised is still the first when it is started again.)
+        """
+        return self._last_depth is None
 
     def ahead_in(self, epoch: int) -> bool:
         """Whether a producer already runs ahead in ``epoch`` (the next iteration's)."""
@@ -147,7 +148,10 @@ class Lineage:
         self, epoch: int, index: int, state: Any, transform_state: Any, hook: Any
     ) -> None:
         """A batch was handed out: the position moves, and its pull's effects are replayed."""
-        self._at.advance(epoch, index, state, transform_state)
+        at = self._at  # Position.advance written out: this runs for every batch
+        at.epoch, at.handed_out, at.source_state, at.loaded = epoch, index, state, None
+        if transform_state is not None:
+            at.transform_state = transform_state
         if self.epochs.mirror is not None:  # EpochSource.hand_out, without its call otherwise
             self.epochs.hand_out(hook, end=False)
 

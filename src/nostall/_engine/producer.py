@@ -127,6 +127,9 @@ class Puller:
         #: The producer thread pulls nothing while set: the consumer pulls each batch when it
         #: asks, as a serial loop does (set by :class:`nostall._engine.overlap.Overlap`).
         self.inline = False
+        #: How the state after each batch of the open epoch is had, fixed as it opens (see
+        #: ``EpochSource.state_per_batch``): (asked of the source, or None; else one record).
+        self._per_batch: tuple[Callable[[], Any] | None, Any] = (None, None)
 
     def open(self, epoch: int, *, forward: bool, outside: bool = False) -> None:
         """Create the source's iterator for ``epoch`` (in the consumer's thread, at its start)."""
@@ -134,7 +137,12 @@ class Puller:
         with self.staging.source_context():
             self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
         self.untouched = True
+        self._opened(epoch)
+
+    def _opened(self, epoch: int) -> None:
+        """``epoch``'s iterator was made: what each of its batches is pulled with, decided once."""
         self.expected = self.epochs.length()
+        self._per_batch = self.epochs.state_per_batch(epoch)
 
     # -- either thread, holding pull_lock ------------------------------------------------------
 
@@ -146,10 +154,10 @@ class Puller:
         """
         draws = self.epochs.draws
         if not draws.in_step:
-            return self._pull()
+            return self.pull_unwatched()
         first = self.batches is None or self.untouched
         ahead = first and isinstance(self.batches, TakenAhead)  # its batch already pulled
-        message = draws.pull(self._pull, first=first, ahead=ahead)
+        message = draws.pull(self.pull_unwatched, first=first, ahead=ahead)
         self.untouched = False
         self.wanted.clear()
         if not self.epochs.draws.in_step:  # read again: the pull may have judged it
@@ -170,8 +178,8 @@ class Puller:
     def phase(self, text: str) -> None:
         self._phase = text
 
-    def _pull(self) -> Message:
-        """:meth:`pull`, unwatched.
+    def pull_unwatched(self) -> Message:
+        """:meth:`pull`, unwatched: what the callers call while ``epochs.draws.in_step`` is off.
 
         Errors come back as the same object with a note of where they happened. Across
         epochs, an epoch's end is followed by the next epoch's batches. Per batch it makes
@@ -194,7 +202,7 @@ class Puller:
                     self.batches, self.pulled = epochs.open(epoch, forward=False)
             except BaseException as e:
                 return self._failed(e, f"raised by iter(source) for epoch {epoch}, in {name!r}")
-            self.expected = epochs.length()
+            self._opened(epoch)
         index = self.pulled
         self._phase = _NEXT
         staging = self.staging
@@ -242,8 +250,11 @@ class Puller:
         if self.on_first_batch is not None:
             on_first, self.on_first_batch = self.on_first_batch, None
             on_first(staged)
+        ask, same = self._per_batch
+        if ask is None:
+            return BATCH, staged, epoch, same, hook
         try:
-            return BATCH, staged, epoch, epochs.batch_state(epoch), hook
+            return BATCH, staged, epoch, ask(), hook
         except BaseException as e:
             return self._failed(e, "raised by the source's state_dict()", hook)
 
@@ -369,7 +380,7 @@ class Puller:
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():
                 return None  # one was queued just before the lock, or it is not asked for
-            pull = self.pull if self.epochs.draws.in_step else self._pull  # pull(), unwatched
+            pull = self.pull if self.epochs.draws.in_step else self.pull_unwatched
             if self.staging.plain_source:  # nothing to set around the pull (off CUDA)
                 message = pull()
             else:

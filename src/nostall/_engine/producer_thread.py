@@ -71,16 +71,19 @@ def produce(puller: Puller) -> None:
                         channel.give_back()  # the slot taken for a pull that will not happen
                         paused = True
                         return
-                    if puller.producer_may_pull():
-                        if puller.inline:
+                    # (The gate alone where not held back: producer_may_pull without its call.)
+                    inline = puller.inline
+                    if puller.producer_may_pull() if inline else puller.gate_open():
+                        if inline:
                             # Held back, it serves one wait of the consumer's: the next
                             # wait asks again (else it would run on ahead, contending).
                             channel.waiting.clear()
+                        pull = puller.pull if puller.epochs.draws.in_step else puller.pull_unwatched
                         if pacer is None:
-                            message = puller.pull()
+                            message = pull()
                         else:
                             began = time.monotonic()
-                            message = puller.pull()
+                            message = pull()
                             pacer.pulled(time.monotonic() - began)
                         channel.put(message)
                         break

@@ -347,6 +347,18 @@ class EpochSource:
                 # the user's (the state's may be older: an epoch's end is recorded as pulled).
                 torch.set_rng_state(back.before.torch)
 
+    def state_per_batch(self, epoch: int) -> tuple[Callable[[], Any] | None, Any]:
+        """How the state after each batch of ``epoch`` is had, decided once ``epoch`` is open.
+
+        ``(ask, None)``: asked of a stateful source after each batch; ``(None, record)``:
+        the same record for every batch (what the order was drawn from, recorded as the epoch
+        opened and not changed until a later epoch opens): :meth:`batch_state`, without a
+        call per batch.
+        """
+        if self.stateful:
+            return self.iterable.state_dict, None  # type: ignore[attr-defined]
+        return None, self.orders.drawn(epoch)
+
     def batch_state(self, epoch: int) -> Any:
         """What a state saved right after this batch needs (called where the batch was pulled)."""
         if self.stateful:

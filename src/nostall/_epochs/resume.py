@@ -71,6 +71,8 @@ class Position:
     def advance(self, epoch: int, handed_out: int, source_state: Any, transform_state: Any) -> None:
         """Batch ``handed_out`` of ``epoch`` was handed out (in place: this runs per batch).
 
+        ``Lineage.handed_out`` writes the same out, without this call, for the steady path.
+
         ``transform_state`` None keeps the last one (a transform without state).
         """
         self.epoch = epoch

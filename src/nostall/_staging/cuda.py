@@ -73,7 +73,8 @@ class CudaStaging(Staging):
         self.stream = _copy_streams.LENDER.lend(device, self)
         self.source_stream = _copy_streams.LENDER.lend(device, self)
         #: Per thread, where it is known (see ``_settle``): ``source`` and ``copy``, the
-        #: contexts that make each stream current and set the thread's resting one back.
+        #: contexts that make each stream current and set the thread's resting one back; and
+        #: ``pulling``, the last :meth:`pull_context`, kept for the next pull from its stream.
         self._known = threading.local()
 
     def source_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -96,7 +97,12 @@ class CudaStaging(Staging):
             return contextlib.nullcontext()  # known already (the producer thread)
         if torch.cuda.current_device() != self.index:
             return contextlib.nullcontext()
-        return _Pulling(self, torch.cuda.current_stream(self.index))
+        rest = torch.cuda.current_stream(self.index)
+        known = self._known
+        pulling: _Pulling | None = getattr(known, "pulling", None)
+        if pulling is None or pulling.rest != rest:  # made once per resting stream, not per pull
+            pulling = known.pulling = _Pulling(self, rest)
+        return pulling
 
     def _settle(self, rest: torch.cuda.Stream | None) -> None:
         """This thread has the target current and ``rest`` current on it (None: unknown)."""
@@ -178,7 +184,9 @@ class CudaStaging(Staging):
             for t in batch:
                 pinned = t.is_pinned()
                 if pin and not pinned:
-                    t, pinned = compact(t).pin_memory(), True
+                    if not t.is_contiguous():  # compact() is t itself where it is contiguous
+                        t = compact(t)
+                    t, pinned = t.pin_memory(), True
                 copies.append(t.to(device, non_blocking=pinned))
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self.stream)
@@ -307,18 +315,25 @@ class _Use:
 
 
 class _Pulling:
-    """The consumer pulls a batch itself, ``rest`` current on the target: known till the end."""
+    """The consumer pulls a batch itself, ``rest`` current on the target: known till the end.
 
-    __slots__ = ("rest", "staging")
+    What ``staging._settle(rest)`` and ``staging._settle(None)`` do around the pull, with the
+    two contexts made once, not per pull.
+    """
+
+    __slots__ = ("copy", "known", "rest", "source")
 
     def __init__(self, staging: CudaStaging, rest: torch.cuda.Stream) -> None:
-        self.staging, self.rest = staging, rest
+        self.known, self.rest = staging._known, rest
+        self.source, self.copy = _Use(staging.source_stream, rest), _Use(staging.stream, rest)
 
     def __enter__(self) -> None:
-        self.staging._settle(self.rest)
+        known = self.known
+        known.source, known.copy = self.source, self.copy
 
     def __exit__(self, *exc: object) -> None:
-        self.staging._settle(None)
+        known = self.known
+        known.source = known.copy = None
 
 
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
