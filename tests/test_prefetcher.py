@@ -936,6 +936,35 @@ def test_a_generator_that_raised_gives_an_empty_next_epoch_with_a_warning() -> N
         assert [] == list(p)
 
 
+class Rearming(DataLoader[Any]):
+    """A DataLoader that is its own iterator, re-armed by ``__iter__`` (as Ray Train's is).
+
+    A plain ``for`` loop gets a new epoch from it each time.
+    """
+
+    def __iter__(self) -> Rearming:  # type: ignore[override]
+        self._batches = super().__iter__()
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+
+@pytest.mark.parametrize("across_epochs", [False, True])
+def test_an_iterator_that_restarts_on_iter_gives_every_epoch(across_epochs: bool) -> None:
+    """Every epoch the plain loop gets, in the same order (the shuffle seeded alike)."""
+
+    def loader() -> Rearming:
+        g = torch.Generator().manual_seed(0)
+        return Rearming(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True, generator=g)
+
+    plain_source = loader()
+    plain = [[b.tolist() for (b,) in plain_source] for _ in range(3)]
+    p = nostall.prefetch(loader(), across_epochs=across_epochs)
+    assert plain == [[b.tolist() for (b,) in p] for _ in range(3)]
+    assert all(len(epoch) == 3 for epoch in plain)
+
+
 def test_breaking_out_of_a_generator_loses_nothing() -> None:
     """Batches fetched ahead for a one-shot source are handed to the next iteration."""
     pulled = []

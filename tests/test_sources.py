@@ -97,17 +97,47 @@ def test_persistent_workers_keep_their_draws() -> None:
     assert (kind.persistent, kind.restarts_workers, kind.skippable) == (True, False, False)
 
 
+class Countdown:
+    """An iterator as most are written: ``__iter__`` returns it, and nothing more."""
+
+    def __init__(self) -> None:
+        self.left = 3
+
+    def __iter__(self) -> Countdown:
+        """Itself."""
+        return self
+
+    def __next__(self) -> int:
+        if not self.left:
+            raise StopIteration
+        self.left -= 1
+        return self.left
+
+
+class Restarting(Countdown):
+    """An iterator whose ``__iter__`` starts it again, as Ray Train's prepared loader's does."""
+
+    def __iter__(self) -> Restarting:
+        self.left = 3
+        return self
+
+
 @pytest.mark.parametrize(
     ("source", "one_shot", "counted"),
     [
         ([torch.zeros(1)], False, True),
         ((torch.zeros(1),), False, True),
         (iter([torch.zeros(1)]), True, False),
+        ((x for x in range(3)), True, False),
+        (map(int, "123"), True, False),
+        (Countdown(), True, False),
+        (Restarting(), False, False),
         (range(3), False, False),
     ],
+    ids=["list", "tuple", "list-iterator", "generator", "map", "iterator", "restarting", "range"],
 )
 def test_plain_iterables(source: object, one_shot: bool, counted: bool) -> None:
-    """Lists and tuples are counted; an iterator is one-shot; anything else is what it says."""
+    """Lists and tuples are counted; an iterator is one-shot unless ``__iter__`` restarts it."""
     kind = classify(source)
     assert (kind.loader, kind.one_shot, kind.counted) == (None, one_shot, counted)
 

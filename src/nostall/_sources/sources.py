@@ -12,6 +12,7 @@ the staging and the iteration do not change.
 The kinds, as the checks tell them apart::
 
     a one-shot iterator (a generator)          one_shot        its items once, then exhausted
+      (not one whose __iter__ starts it again: restarts_on_iter)
     a list or tuple of batches                 batches_known   len() counts them
     a torch DataLoader (or a subclass)         loader          its dataset, sampler, workers
       over a map-style dataset                 map_style       len() counts its batches
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,6 +149,28 @@ class SourceKind:
             return None
 
 
+def restarts_on_iter(source: object) -> bool:
+    """Whether ``source``, an iterator, starts again when ``iter()`` is called on it.
+
+    An iterator's ``__iter__`` returns the iterator itself, and a plain ``for`` loop over an
+    exhausted one yields nothing. Some loaders are iterators whose ``__iter__`` does more
+    before returning itself: Ray Train's prepared ``DataLoader`` makes a new iterator of its
+    loader there, so a ``for`` loop gets every epoch anew. Told by what ``__iter__`` is, not by
+    calling it: a method of a builtin iterator (a generator, ``map``, a list's iterator) or a
+    Python ``return self`` does nothing more; any other Python ``__iter__`` is taken to start
+    the iterator again, as a plain loop would find, since nostall calls ``iter()`` each epoch
+    as that loop does.
+    """
+    method = inspect.getattr_static(type(source), "__iter__", None)
+    if not isinstance(method, types.FunctionType):
+        return False  # a builtin iterator's slot: it returns the iterator itself
+    return method.__code__.co_code != _returns_itself.__code__.co_code
+
+
+def _returns_itself(self: object) -> object:
+    return self
+
+
 def classify(source: object) -> SourceKind:
     """Decide what ``source`` is (see the module docstring for the kinds)."""
     loader = source if isinstance(source, DataLoader) else None
@@ -163,7 +188,7 @@ def classify(source: object) -> SourceKind:
         client=client,
         loader=loader,
         inner=inner,
-        one_shot=isinstance(source, Iterator),
+        one_shot=isinstance(source, Iterator) and not restarts_on_iter(source),
         batches_known=type(source) in (list, tuple),
         dataloader_type=issubclass(type(source), DataLoader),
         map_style=map_style,
