@@ -857,6 +857,44 @@ def test_sources_iterated_by_accident_are_refused(source: Any, kind: str) -> Non
         nostall.prefetch(source)
 
 
+class Numbers(Dataset[torch.Tensor]):
+    """A map-style dataset: iterating it (through ``__getitem__``) yields single samples."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i >= 4:
+            raise IndexError(i)
+        return torch.tensor([i * i])
+
+
+@pytest.mark.parametrize("dataset", [Numbers(), TensorDataset(torch.arange(4))])
+def test_a_dataset_given_as_the_source_is_refused_with_the_fix(dataset: Any) -> None:
+    """Its samples would be batches of one: refused, naming the DataLoader to pass."""
+    name = type(dataset).__qualname__
+    with pytest.raises(TypeError, match=rf"got a {name}, whose iteration yields its samples"):
+        nostall.prefetch(dataset)
+    with pytest.raises(TypeError, match=re.escape("DataLoader(dataset, batch_size=...)")):
+        nostall.prefetch(dataset)
+    loader = DataLoader(dataset, batch_size=2)
+    assert [str(b) for b in loader] == [str(b) for b in nostall.prefetch(loader)]
+
+
+class BatchesDataset(Dataset[torch.Tensor]):
+    """A Dataset whose own ``__iter__`` yields batches: a source, as it says."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from (torch.arange(i, i + 2) for i in range(0, 6, 2))
+
+
+def test_a_dataset_that_iterates_batches_itself_is_a_source() -> None:
+    assert [[0, 1], [2, 3], [4, 5]] == [b.tolist() for b in nostall.prefetch(BatchesDataset())]
+
+
 def test_meta_device_is_refused() -> None:
     """Batches on the meta device hold no data."""
     with pytest.raises(ValueError, match="device='meta' holds no data"):

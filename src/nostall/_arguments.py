@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
+from torch.utils.data import Dataset
 
 
 def kind(value: object) -> str:
@@ -33,8 +34,12 @@ def not_batches(value: object) -> str | None:
     """What iterating ``value`` yields when it is iterable but not batches, else None.
 
     ``'its characters'`` for a str, ``'its rows'`` for a tensor, ``'its keys'`` for a mapping:
-    one batch, or one sample, passed where the loader of many was meant.
+    one batch, or one sample, passed where the loader of many was meant. A map-style
+    ``Dataset`` iterated through ``__getitem__`` yields its samples one at a time: a model
+    would train on batches of one, or fail on their shape far from the cause.
     """
+    if isinstance(value, Dataset) and getattr(type(value), "__iter__", None) is None:
+        return "its samples, one at a time (not batches: a Dataset is what a DataLoader loads)"
     if not isinstance(value, (str, bytes, bytearray, Mapping, torch.Tensor)):
         return None
     what = {
@@ -51,10 +56,15 @@ def source(value: object, owner: str = "nostall.prefetch") -> None:
     cls = type(value)
     yields = not_batches(value)
     if yields is not None:
+        fix = (
+            "pass DataLoader(dataset, batch_size=...) over it"
+            if isinstance(value, Dataset)
+            else "pass a DataLoader over your data, or a list of batches (e.g. "
+            "list(tensor.split(batch_size)))"
+        )
         raise TypeError(
             f"{owner}(source) needs an iterable of batches such as a DataLoader (got a "
-            f"{cls.__qualname__}, whose iteration yields {yields}); pass a DataLoader over your "
-            f"data, or a list of batches (e.g. list(tensor.split(batch_size)))"
+            f"{cls.__qualname__}, whose iteration yields {yields}); {fix}"
         )
     if callable(getattr(cls, "__iter__", None)) or callable(getattr(cls, "__getitem__", None)):
         return
