@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -127,6 +128,22 @@ def test_a_string_that_names_no_device(bad: str) -> None:
     """A string that names no device is a ValueError that shows it."""
     with pytest.raises(ValueError, match=f"device={bad!r} does not name a device"):
         resolve_device(bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "meant"),
+    [("gpu", "cuda"), ("GPU:1", "cuda:1"), ("CUDA", "cuda"), ("cdua:0", "cuda:0"), ("Mps", "mps")],
+)
+def test_a_device_written_as_users_write_it_names_the_fix(bad: str, meant: str) -> None:
+    """A GPU called "gpu", a type in capitals, a misspelling: the error says what to pass."""
+    with pytest.raises(ValueError, match=re.escape(f"did you mean {meant!r}?")):
+        resolve_device(bad)
+
+
+def test_a_device_unlike_any_gets_no_guess() -> None:
+    with pytest.raises(ValueError, match="does not name a device") as raised:
+        resolve_device("nonsense")
+    assert "did you mean" not in str(raised.value)
 
 
 def test_a_cpu_index_other_than_zero_is_refused() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 
 import torch
@@ -81,7 +82,9 @@ def resolve_device(device: DeviceLike) -> torch.device:
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, ValueError) as e:
-        raise ValueError(f"device={device!r} does not name a device: {e}") from e
+        raise ValueError(
+            f"device={device!r} does not name a device{_did_you_mean(str(device))} (torch: {e})"
+        ) from e
     if dev.type == "cuda":
         return _check_cuda(dev, device)
     if dev.type in _SINGLE and dev.index not in (None, 0):
@@ -145,3 +148,25 @@ def _available() -> str:
     if torch.backends.mps.is_available():
         options.insert(0, "device='mps'")
     return "pass " + " or ".join(options) + " instead, or device=None to pick the best one"
+
+
+#: Names users write for a device that torch spells otherwise.
+_SPELLED = {"gpu": "cuda", "nvidia": "cuda", "apple": "mps", "metal": "mps"}
+
+
+def _did_you_mean(text: str) -> str:
+    """``'; did you mean 'cuda:1'?'`` for a device written as users often write it, else ``''``.
+
+    The common names for a GPU (``gpu``, ``GPU:1``), a device type in capitals (``CUDA``),
+    and a close misspelling of torch's device types (``cdua``).
+    """
+    name, sep, index = text.strip().partition(":")
+    lowered = name.lower()
+    types = ("cpu", "cuda", "mps", "xpu", "meta")
+    guess = _SPELLED.get(lowered) or (lowered if lowered in types else None)
+    if guess is None:
+        close = difflib.get_close_matches(lowered, types, n=1, cutoff=0.6)
+        guess = close[0] if close else None
+    if guess is None:
+        return ""
+    return f"; did you mean {guess + sep + index!r}?"
