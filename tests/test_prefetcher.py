@@ -486,6 +486,16 @@ def test_second_iter_stops_the_first() -> None:
     assert 2 == source.iters
 
 
+def test_two_iterations_at_once_are_refused_with_the_fix_that_fits() -> None:
+    """``zip(p, p)``: the second iter() stops the first, whose next() names a second prefetcher."""
+    p = nostall.prefetch([torch.tensor([i]) for i in range(4)])
+    with pytest.raises(PrefetcherClosedError, match="newer iter") as raised:
+        list(zip(p, p, strict=False))
+    assert "nostall.prefetch(another_loader)" in str(raised.value)
+    assert "start a new one with iter(prefetcher)" not in str(raised.value)
+    assert [0, 1, 2, 3] == [int(t) for t in p]  # and the prefetcher goes on
+
+
 def test_new_iteration_waits_for_the_previous_producer() -> None:
     """The producer of a replaced iteration is inside a slow next(); the new one waits for it."""
     in_next = threading.Event()

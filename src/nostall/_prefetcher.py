@@ -9,7 +9,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_data_device
-from ._engine.iteration import PrefetchIterator
+from ._engine.iteration import REPLACED, PrefetchIterator
 from ._engine.lineage import Lineage
 from ._engine.profile import StallRecorder, StallReport
 from ._engine.settings import Settings
@@ -296,7 +296,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         previous = lineage.active_iteration()
         if previous is not None:
             previous._finish_if_complete()
-            previous._stop("a newer iter() on the same Prefetcher replaced this iteration")
+            previous._stop(REPLACED)
         self._resolve_shard()  # once the previous epoch ended: never mid-epoch
         # Lightning's loop over a loader without a length fetches one batch ahead of its step.
         fetcher = iterating_fetcher()

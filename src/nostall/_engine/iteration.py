@@ -64,6 +64,10 @@ class Owner(Protocol):
     _settings: Settings
 
 
+#: Why an iteration stops when a newer ``iter()`` of its Prefetcher replaces it.
+REPLACED = "a newer iter() on the same Prefetcher replaced this iteration"
+
+
 class Lifecycle(enum.Enum):
     """Where an iterator is (see the module docstring for the transitions)."""
 
@@ -220,10 +224,16 @@ class PrefetchIterator(Iterator[T]):
         if self._state is Lifecycle.CREATED:
             return self._start()
         if self._state is Lifecycle.STOPPED:
-            raise PrefetcherClosedError(
-                f"this iteration was stopped: {self._stopped_why}; start a new one with "
-                f"iter(prefetcher)"
-            )
+            fix = "start a new one with iter(prefetcher)"
+            if self._stopped_why == REPLACED:
+                # zip(p, p), or an evaluation loop over the training prefetcher mid-epoch.
+                fix = (
+                    "one Prefetcher runs one iteration at a time (a DataLoader may run two, "
+                    "but one source must not be pulled by two threads at once); to iterate "
+                    "two at once, as zip(p, p) or a loop inside the epoch's loop does, give "
+                    "the second its own prefetcher: nostall.prefetch(another_loader)"
+                )
+            raise PrefetcherClosedError(f"this iteration was stopped: {self._stopped_why}; {fix}")
         raise StopIteration
 
     def _take(self, puller: Puller, message: Message) -> T:
