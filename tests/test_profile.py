@@ -116,6 +116,18 @@ def test_verdict_thresholds(wait: float, verdict: str) -> None:
     assert wait == report.stall_fraction
 
 
+@pytest.mark.parametrize(
+    ("wait", "step"),
+    [(0.01, "time the step itself"), (0.1, "worth a try: more workers"), (0.5, "load faster")],
+)
+def test_every_verdict_names_a_next_step(wait: float, step: str) -> None:
+    report = StallReport(batches=10, wait_s=wait, loop_s=1.0)
+    assert step in report.next_step
+    lines = [line.split() for line in str(report).splitlines()]
+    assert ["next", "step", *report.next_step.split()] in lines
+    assert report.next_step == report.to_dict()["next_step"]
+
+
 def test_arithmetic_and_dict() -> None:
     """stall_fraction and samples/s from the totals; to_dict carries the derived figures."""
     report = StallReport(batches=4, wait_s=0.5, loop_s=2.0, samples=400)
@@ -288,7 +300,7 @@ def test_the_first_batch_of_each_epoch_is_reported_apart_from_the_steady_waits()
     assert report.verdict == _verdict_of(report.steady_stall_fraction)
     text = str(report)
     assert "for each epoch's first batch" in text
-    assert "over 2 iterations (worker start-up)" in text
+    assert "over 2 iterations (the loader's start, once an epoch)" in text
     assert "after it (steady state)" in text
     assert report.to_dict()["steady_stall_fraction"] == report.steady_stall_fraction
 

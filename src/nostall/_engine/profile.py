@@ -42,7 +42,8 @@ class StallReport:
         wait_s: total seconds the consumer was blocked in ``next()``.
         loop_s: seconds from the first ``next()`` to the end of the last one (all epochs).
         startup_wait_s: the part of ``wait_s`` spent waiting for each iteration's first batch
-            (worker start-up, the first fetch): paid once per epoch, not per step.
+            (the loader's start: its iterator, worker processes if it has any, the first
+            fetch): paid once per epoch, not per step.
         iterations: iterations (epochs) that handed out at least one batch.
         wait_p50_s, wait_p90_s, wait_p99_s, wait_max_s: percentiles of the steady waits, for
             the batches after each iteration's first.
@@ -104,6 +105,21 @@ class StallReport:
         return "highly input-bound"
 
     @property
+    def next_step(self) -> str:
+        """What to do about the verdict, in a line."""
+        fraction = self.steady_stall_fraction
+        if fraction < MODERATE:
+            return (
+                "none for loading: the loop waits little for data; if the run is still slow, "
+                "time the step itself (torch.profiler)"
+            )
+        return (
+            f"{'load faster' if fraction >= HIGH else 'worth a try'}: more workers "
+            f"(DataLoader num_workers=) or loading threads (threads=), found for your loader "
+            f"by `nostall tune`; `nostall doctor` says where the time goes"
+        )
+
+    @property
     def slowest_rank(self) -> int | None:
         """With every rank's figures: the rank that waited longest for data."""
         if not self.ranks:
@@ -118,6 +134,7 @@ class StallReport:
             steady_stall_fraction=self.steady_stall_fraction,
             samples_per_s=self.samples_per_s,
             verdict=self.verdict,
+            next_step=self.next_step,
             slowest_rank=self.slowest_rank,
         )
         return out
@@ -130,7 +147,8 @@ class StallReport:
             (
                 "  for each epoch's first batch",
                 f"{self.startup_wait_s:.3f} s over {self.iterations} "
-                f"iteration{'s' if self.iterations != 1 else ''} (worker start-up)",
+                f"iteration{'s' if self.iterations != 1 else ''} (the loader's start, once an "
+                f"epoch)",
             ),
             (
                 "  after it (steady state)",
@@ -156,6 +174,7 @@ class StallReport:
         if self.gpu_idle_s is not None:
             rows.append(("GPU idle between steps", f"{self.gpu_idle_s:.3f} s"))
         rows.append(("verdict", self.verdict))
+        rows.append(("next step", self.next_step))
         for r in self.ranks:
             mark = "  <- slowest" if r["rank"] == self.slowest_rank else ""
             rows.append(
