@@ -21,7 +21,7 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert 0 == info.value.code
     out = capsys.readouterr().out
-    for command in ("bench", "doctor", "devices"):
+    for command in ("bench", "doctor", "devices", "memory"):
         assert command in out
 
 

@@ -48,6 +48,32 @@ def test_devices_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert isinstance(data["devices"], list)
 
 
+def test_memory_cli_reports_the_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """``nostall memory``: a line per device, the host last; ``--json``: the same figures."""
+    assert 0 == main(["memory"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("cpu: ")
+    assert "free of" in lines[-1]
+    assert 0 == main(["memory", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert "cpu" == data[-1]["device"]
+    assert data[-1]["total"] >= data[-1]["free"] > 0
+
+
+def test_memory_cli_on_the_simulated_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """With two GPUs: one line each, with the allocator's figures, before the host's."""
+    from simcuda import simulated_cuda
+
+    with simulated_cuda(2):
+        x = torch.zeros(256, device="cuda:1")
+        assert 0 == main(["memory", "--json"])
+        del x
+    data = json.loads(capsys.readouterr().out)
+    assert ["cuda:0", "cuda:1", "cpu"] == [r["device"] for r in data]
+    assert data[1]["allocated"] >= 256 * 4
+    assert data[0]["allocated"] == 0
+
+
 def test_memory_report_on_the_cpu() -> None:
     """On the CPU: this process's resident memory and the host's free and total."""
     report = nostall.cuda.memory_report("cpu")

@@ -83,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     devices.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    memory = commands.add_parser(
+        "memory",
+        help="memory of each visible device and of the host",
+        description=(
+            "For each visible CUDA device, its free and total memory as the driver sees it "
+            "(every process's use included), and the host's available and total memory; "
+            "allocated, reserved and peak are this process's (in a script, call "
+            "nostall.cuda.memory_report() to see your own). Without CUDA, the host alone."
+        ),
+    )
+    memory.add_argument("--json", action="store_true", help="print JSON instead of lines")
+
     doctor = commands.add_parser(
         "doctor",
         help="diagnose your own loader and find a faster way to feed it",
@@ -196,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "doctor": _doctor,
         "devices": _devices,
+        "memory": _memory,
         "tune": _tune,
     }
     try:
@@ -229,6 +242,24 @@ def _devices(args: argparse.Namespace) -> int:
         print(json.dumps({"host": host, "devices": [d.to_dict() for d in found]}, indent=2))
     else:
         print(format_devices(found, host))
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from ..cuda._devices import memory_report
+
+    names = (
+        [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    reports = [memory_report(name) for name in [*names, "cpu"]]
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n".join(r.summary() for r in reports))
     return 0
 
 
