@@ -15,8 +15,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import wait_for_no_nostall_threads
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _heap_unfrozen_after_each_file() -> Iterator[None]:
+    """After a test file, the heap its tests froze (below) is collected again as a whole."""
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(autouse=True)
 def _no_thread_left_behind() -> Iterator[None]:
+    # A full collection walks every tracked object: with torch, the frameworks and the test
+    # modules imported, that took most of a second, as long as the test itself. What is alive
+    # when the test starts (after collecting what the last one dropped) is frozen, so the
+    # collection after it walks only what the test made, and collects every cycle among that,
+    # its prefetchers' included. The file's end unfreezes it all for a full collection.
+    gc.collect()
+    gc.freeze()
     yield
     gc.collect()
     alive = wait_for_no_nostall_threads(timeout=5.0)
