@@ -43,7 +43,7 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[st
 
 def test_gil_threads_prints_its_timings() -> None:
     """The seed-000 experiment runs and reports each pairing (timings vary with the machine)."""
-    done = run(["examples/gil_threads.py", "--loop", "2000000", "--size", "400", "--products", "4"])
+    done = run(["examples/gil_threads.py", "--loop", "200000", "--size", "200", "--products", "2"])
     assert 0 == done.returncode, done.stderr
     for start in (
         "python loop + numpy products in two threads",
