@@ -20,10 +20,10 @@ bench: $(STAMP)
 	mkdir -p out
 	$(VENV)/bin/nostall bench --json out/bench.json --plot out/bench.png
 
-# Two pytest-xdist workers, a test file each at a time (a module's fixtures are made once):
-# on the 2-core machine the suite takes about 9.5 min so (it grew; it took 5.5 when it was half).
+# Two pytest-xdist workers, a test file each at a time (a module's fixtures are made once), the
+# longest files handed out first (tests/conftest.py's SLOWEST_FIRST, in collection order).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # Timing claims, on a quiet machine.
 test-perf: $(STAMP)

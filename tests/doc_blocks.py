@@ -1,7 +1,8 @@
 """Run one python block of the README or of a docs/ page, as a reader runs it after the ten lines.
 
 tests/test_examples.py lists the blocks with :func:`pages` and :func:`python_blocks`, and runs
-each in its own process::
+each with :func:`main`: on the CPU in the test's process, as written on a GPU in a process of its
+own::
 
     python tests/doc_blocks.py PAGE INDEX [--as-written]
 

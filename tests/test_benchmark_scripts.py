@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -83,21 +84,43 @@ def _gpu_check() -> Any:
     return gpu_check
 
 
-def _collected(*args: str) -> set[str]:
+#: Collects with pytest.main once per selection (its arguments, one JSON list each on stdin),
+#: all in one process, each selection's test ids after a line of its own.
+_COLLECT = """
+import json, sys
+import pytest
+for line in sys.stdin:
+    print("== selection", flush=True)
+    if pytest.main(["--collect-only", "-q", *json.loads(line)]) != 0:
+        sys.exit(1)
+    sys.stdout.flush()
+"""
+
+
+def _collected(*selections: tuple[str, ...]) -> list[set[str]]:
+    """Each selection's test ids, as ``pytest --collect-only -q *selection`` lists them.
+
+    One process collects them all, one pytest session each: a process per selection paid
+    for an interpreter, torch and the module's import again.
+    """
     # pytest-benchmark (on the GPU machine) warns, as an error here, when it finds xdist's
     # worker variables inherited from a parallel run: it exited 3 there.
-    plugins = ("-p", "no:cacheprovider", "-p", "no:benchmark")
+    plugins = ["-p", "no:cacheprovider", "-p", "no:benchmark"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", *plugins, "--collect-only", "-q", *args],
+        [sys.executable, "-c", _COLLECT],
+        input="".join(json.dumps([*plugins, *args]) + "\n" for args in selections),
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        check=True,
+        check=False,
         cwd=SCRIPTS.parent,
     )
-    return {line for line in done.stdout.splitlines() if "::" in line}
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    parts = done.stdout.split("== selection\n")[1:]
+    assert len(selections) == len(parts), done.stdout[-3000:]
+    return [{line for line in part.splitlines() if "::" in line} for part in parts]
 
 
 def test_gpu_check_runs_make_tests_tests_once_with_the_cuda_ones_alone(tmp_path: Path) -> None:
@@ -113,9 +136,9 @@ def test_gpu_check_runs_make_tests_tests_once_with_the_cuda_ones_alone(tmp_path:
         return argv[argv.index("-m", 2) + 1]  # after "-m pytest"
 
     module = "tests/test_prefetcher.py"  # it has cuda and perf tests
-    make_test = _collected(module)
-    cuda = _collected("-m", markers("cuda-tests"), module)
-    suite = _collected("-m", markers("suite"), module)
+    make_test, cuda, suite = _collected(
+        (module,), ("-m", markers("cuda-tests"), module), ("-m", markers("suite"), module)
+    )
     assert cuda
     assert suite
     assert set() == cuda & suite

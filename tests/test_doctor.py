@@ -180,7 +180,9 @@ def test_the_doctor_tries_num_workers_zero_on_a_factory_with_worker_defaults(
     factory = load_callable(f"{user_module}:make_worker_loader", "factory")
     diagnosis = diagnose(factory, device="cpu", max_batches=30, repeats=1)
     assert Setting(0, 2) == diagnosis.search.curve[0][0]
-    if diagnosis.best[0].num_workers == 0:
+    # Code only for a measurably faster setting: never with one run each (repeats=1), however
+    # fast num_workers=0 ran. What code it gives then: test_tune's scripted runs.
+    if diagnosis.best[0].num_workers == 0 and diagnosis.code:
         assert "prefetch_factor=None" in diagnosis.code
 
 

@@ -363,35 +363,44 @@ def test_resume_mid_epoch(tmp_path: Path, source: str, across: bool, how: str) -
 
 
 def test_a_stream_under_threads_resumes_mid_epoch_in_a_fresh_process(tmp_path: Path) -> None:
-    """One process trains and checkpoints after the 3rd step of epoch 1; a new one resumes.
+    """Trained and checkpointed after the 3rd step of epoch 1; a new process resumes.
 
     The resumed process trains on the rest of the uninterrupted run: Lightning's checkpoint
     holds the prefetcher's state, which leaves out the batch Lightning took ahead. (Per epoch
-    only: across epochs is resumed in one process above; each run here costs two processes.)
+    only: across epochs is resumed in one process above.) The checkpoint is saved here, as
+    tests/frameworks/lightning_stream_run.py saves it (the same seed, loader, model and
+    Trainer): only the resumed run needs a process of its own, each of which costs Lightning's
+    import.
     """
     script = ROOT / "tests" / "frameworks" / "lightning_stream_run.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH")])
     )
-
-    def run(out: str, *more: str) -> dict[str, Any]:
-        done = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / out), *more],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-            env=env,
-        )
-        assert 0 == done.returncode, done.stderr[-5000:]
-        return json.loads((tmp_path / out).read_text())  # type: ignore[no-any-return]
-
-    saved = run("saved.json", "--save", str(tmp_path / "ckpt"))
+    saving = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        filename="{epoch}-{step}",
+        save_top_k=-1,
+        every_n_train_steps=MID_STEP,
+    )
+    saved = fit(
+        lambda: nostall.prefetch(stream_loader(0), "cpu", threads=2),
+        callbacks=lambda _: [saving],
+        enable_checkpointing=True,
+    )
     checkpoint = tmp_path / "ckpt" / f"epoch=1-step={MID_STEP}.ckpt"
-    resumed = run("resumed.json", "--resume", str(checkpoint))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "resumed.json"), "--resume", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert 0 == done.returncode, done.stderr[-5000:]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
     expected = fit(lambda: stream_loader(2))
-    assert {str(e): s for e, s in expected.seen.items()} == saved["seen"]
+    assert expected.seen == saved.seen
     rest = {"1": expected.seen[1][3 * BATCH :], "2": expected.seen[2]}
     assert rest == resumed["seen"]
     assert expected.weights == resumed["weights"]

@@ -608,6 +608,7 @@ class BlockingInAWorker(Dataset[torch.Tensor]):
         return torch.tensor(i)
 
 
+@pytest.mark.usefixtures("fast_worker_shutdown")
 def test_the_epoch_after_a_timeout_in_a_worker_starts_anew(tmp_path: Path) -> None:
     """A sample stuck in a worker process: the next epoch starts without it, as a DataLoader's."""
     loader = DataLoader(BlockingInAWorker(str(tmp_path / "blocked")), batch_size=2, num_workers=2)
