@@ -195,3 +195,54 @@ def test_a_batch_of_host_tensors_is_walked_once(
         assert len(staged.tensors) == 2
     torch.cuda.synchronize()
     assert sim.hazards == []
+
+
+def _read(batch: Any) -> torch.Tensor:
+    """The model's work on a batch: reads each tensor on the current stream."""
+    return torch.stack([t.float().sum() for t in batch])
+
+
+@pytest.mark.parametrize("consumer", ["default", "side"])
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_a_small_batch_the_consumer_pulls_is_copied_on_its_own_stream(
+    sim: Simulation, consumer: str, kind: Any
+) -> None:
+    """No event, no wait, no record_stream: the copy is in the consumer's stream order.
+
+    The model's read right after it, with nothing waited for, is ordered (the simulation
+    would report an unordered read otherwise), and a pageable tensor is pinned first.
+    """
+    staging = CudaStaging(torch.device("cuda", 0), True)
+    side = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
+    batch = kind([torch.arange(6.0), torch.ones(3, dtype=torch.int64).pin_memory()])
+    with torch.cuda.stream(side):
+        with staging.pull_context():
+            staged = staging.stage(batch)
+        assert (staged.ready, staged.tensors) == (None, [])
+        moved: Any = staging.hand_out(staged)
+        assert type(moved) is kind
+        assert moved is not batch
+        assert all(t.is_cuda for t in moved)
+        out = _read(moved)
+        del moved, staged
+        torch.zeros(64, device="cuda")  # may reuse the copies' memory: same stream, in order
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), torch.tensor([15.0, 3.0]))
+    assert sim.hazards == []
+
+
+def test_a_batch_over_the_limit_or_from_the_producer_goes_through_the_copy_stream(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Larger batches keep the copy stream (they overlap the model's work), as the producer's do."""
+    staging = CudaStaging(torch.device("cuda", 0), True)
+    small = (torch.zeros(4), torch.zeros(1))
+    monkeypatch.setattr(CudaStaging, "HERE_BYTES", 16)  # 20 bytes: over the limit
+    with staging.pull_context():
+        assert staging.stage(small).ready is not None
+    monkeypatch.setattr(CudaStaging, "HERE_BYTES", 20)
+    with staging.pull_context():
+        assert staging.stage(small).ready is None
+    assert staging.stage(small).ready is not None  # outside a consumer's pull: the producer's way
+    torch.cuda.synchronize()
+    assert sim.hazards == []

@@ -471,7 +471,9 @@ def test_canary(
     monkeypatch.setattr(CudaStaging, method, replacement)
     images = _images(8)
     batches = images if shape == "tensor" else [(x, x.sum((1, 2, 3))) for x in images]
-    _consume(sim, nostall.prefetch(batches, "cuda", depth=2), consumer)
+    # With a timeout the producer stages every batch: a small one the consumer pulled itself
+    # would be copied on its own stream, where neither protection is needed.
+    _consume(sim, nostall.prefetch(batches, "cuda", depth=2, timeout=30.0), consumer)
     assert kind in sim.kinds(), f"removing {removed} went unseen: {sim.hazards}"
 
 
@@ -513,7 +515,7 @@ def test_canary_record_stream_with_shrinking_batches(
     caching allocator's best fit and block splitting to.
     """
     monkeypatch.setattr(CudaStaging, "_keep_for_consumer", _no_op)
-    _consume(sim, nostall.prefetch(_shrinking(), "cuda", depth=2), consumer)
+    _consume(sim, nostall.prefetch(_shrinking(), "cuda", depth=2, timeout=30.0), consumer)
     assert Kind.REUSE in sim.kinds(), f"removing record_stream went unseen: {sim.hazards}"
 
 
@@ -1200,3 +1202,33 @@ def test_an_object_with_to_and_no_tensors_is_not_warned_about(sim: Simulation) -
     """A tokenizer's output without return_tensors: nothing to protect, nothing to say."""
     batches = [Encoding({"ids": [1, 2, 3]}) for _ in range(2)]
     assert [[1, 2, 3]] * 2 == [b["ids"] for b in nostall.prefetch(batches, "cuda")]
+
+
+def test_canary_a_small_batch_the_consumer_pulls_copied_off_its_stream(
+    sim: Simulation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer's own small pull copied on the copy stream, with no wait: seen."""
+    edit = (
+        "copies.append(t.to(device, non_blocking=pinned))",
+        "torch.cuda.set_stream(self.stream); copies.append(t.to(device, non_blocking=pinned)); "
+        "torch.cuda.set_stream(self._known.pulling.rest)",
+    )
+    monkeypatch.setattr(CudaStaging, "_stage_here", mutant(CudaStaging, "_stage_here", *edit))
+    images = _images(4)
+    batches = [(x, x.sum((1, 2, 3))) for x in images]
+    with _consumer_pulls_first() as pulled:
+        _consume(sim, nostall.prefetch(batches, "cuda", depth=2), "side")
+    assert pulled.is_set()
+    assert Kind.UNORDERED in sim.kinds(), sim.hazards
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_small_batches_the_consumer_pulls_itself(sim: Simulation, consumer: str) -> None:
+    """(images, labels) pulled by the consumer, copied on its stream, then the producer's."""
+    images = _images(6)
+    batches = [(x, x.sum((1, 2, 3))) for x in images]
+    with _consumer_pulls_first() as pulled:
+        got = _consume(sim, nostall.prefetch(batches, "cuda", depth=2), consumer)
+    assert pulled.is_set()
+    _same(got, _expected(batches))
+    assert sim.hazards == []

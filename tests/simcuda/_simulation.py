@@ -368,7 +368,10 @@ class Simulation:
         step = known.get(stream.id, 0) + 1
         known[stream.id] = step
         self.kernels += 1
-        self.since_wait[stream.id] = self.since_wait.get(stream.id, 0) + 1
+        if stream.library or not created_by_nostall():
+            # Not counted: nostall's own copies on a stream of the model's (a small batch the
+            # consumer pulled itself is copied on its stream): they are not the model's kernels.
+            self.since_wait[stream.id] = self.since_wait.get(stream.id, 0) + 1
         if stream.device_index not in self.contexts:
             self.use_context(stream.device_index)
         if getattr(self._local, "model", False):
