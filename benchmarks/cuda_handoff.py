@@ -65,6 +65,7 @@ def primitive_timings(device: torch.device) -> dict[str, tuple[float, float]]:
     pinned, on_device = x.pin_memory(), x.to(device)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(copy)
+    torch.cuda.synchronize(device)  # the event is done: query() answers without waiting
     statements = {
         "pin_memory (8 floats)": "x.pin_memory()",
         ".to(device, non_blocking) from pinned": "pinned.to(device, non_blocking=True)",
@@ -80,6 +81,8 @@ def primitive_timings(device: torch.device) -> dict[str, tuple[float, float]]:
         "is_pinned (pinned)": "pinned.is_pinned()",
         "torch.cuda.current_stream(device)": "torch.cuda.current_stream(device)",
         "stream.wait_event(event)": "torch.cuda.current_stream().wait_event(event)",
+        "default.wait_event(event), the stream at hand": "default.wait_event(event)",
+        "event.query() (done)": "event.query()",
         "record_stream": "on_device.record_stream(copy)",
         "is_current_stream_capturing": "torch.cuda.is_current_stream_capturing()",
         "a small kernel (add_)": "on_device.add_(1)",

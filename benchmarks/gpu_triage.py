@@ -12,7 +12,8 @@ already there; py-spy used when installed). Every figure goes to one folder (``t
    nostall running ahead, pulling inline, and choosing (its default);
 3. host to device at 8, 32 and 128 MB (``benchmarks/h2d.py``);
 4. the GIL convoy on the GPU machine's own cores (``benchmarks/convoy.py``'s cases);
-5. a py-spy profile (``--idle --gil``) of the slowest nostall variant of (2).
+5. py-spy profiles (``--gil``, then ``--idle``) of the slowest nostall variant of (2), or of
+   the one ``--profile`` names, after a warm-up epoch.
 
 Without a GPU it runs (2) on the CPU and (4), skips the rest, and exits 0.
 
@@ -47,6 +48,9 @@ Batch = tuple[torch.Tensor, ...]
 #: Batches per epoch by batch size, and epochs per loop (the first of each is a warm-up).
 BATCHES = {"tiny": 2000, "8MB": 200}
 EPOCHS = 5
+
+#: The parts, in the order they run.
+PARTS = ("primitives", "handoff", "h2d", "convoy", "profile")
 
 
 class Report:
@@ -238,43 +242,70 @@ def convoy(report: Report, batches: int) -> None:
 
 
 def profile(report: Report, out: Path, variant: str, device: torch.device) -> None:
-    """(5) py-spy on the slowest nostall variant, when py-spy is installed."""
-    report.say(f"## 5. py-spy on the slowest nostall variant: {variant}")
+    """(5) py-spy on one nostall variant, when py-spy is installed.
+
+    py-spy attaches once the profiled process has run a warm-up epoch (imports and CUDA's
+    start excluded), twice: samples holding the GIL (``--gil``: what runs between the GIL-free
+    calls), then every sample with idle ones (``--idle``: where each thread waits).
+    """
+    report.say(f"## 5. py-spy on a nostall variant: {variant}")
     spy = shutil.which("py-spy")
     if spy is None:
         report.say("py-spy is not installed: skipped (carry its wheel to profile)")
         return
-    target = out / "pyspy.txt"
-    command = [spy, "record", "--idle", "--gil", "--threads", "--rate", "500", "-f", "raw"]
-    command += ["-o", str(target), "--", sys.executable, __file__, "--variant", variant]
-    command += ["--device", str(device), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    report.say(f"py-spy exit {done.returncode}; folded stacks in {target.name}")
-    if target.exists():
-        stacks: list[tuple[int, str]] = []
-        for line in target.read_text().splitlines():
-            frames, _, samples = line.rpartition(" ")
-            if samples.isdigit():
-                stacks.append((int(samples), frames))
-        total = sum(n for n, _ in stacks) or 1
-        leaves: dict[str, int] = {}
-        for n, frames in stacks:
-            leaf = frames.split(";")[-1]
-            leaves[leaf] = leaves.get(leaf, 0) + n
-        report.say("top frames by samples (with --gil: only samples holding the GIL):")
-        for leaf, n in sorted(leaves.items(), key=lambda kv: -kv[1])[:15]:
-            report.say(f"- {n / total:.0%} {leaf}")
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--variant", variant, "--device", str(device)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "warm":
+            report.say("the profiled process ended before its warm-up epoch: skipped")
+            return
+        for view, flags in (("gil", ["--gil"]), ("idle", ["--idle"])):
+            target = out / f"pyspy-{view}.txt"
+            command = [spy, "record", *flags, "--threads", "--rate", "500", "-f", "raw"]
+            command += ["--duration", "4", "-o", str(target), "--pid", str(child.pid)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+            report.say(f"py-spy {view} view: exit {done.returncode}; stacks in {target.name}")
+            if target.exists():
+                _top_frames(report, target.read_text(), view)
+    finally:
+        child.kill()
+        child.wait()
     report.say()
 
 
-def run_variant(variant: str, device: torch.device, seconds: float = 8.0) -> None:
-    """The profiled process: one variant of (2), repeated for ``seconds``."""
+def _top_frames(report: Report, folded: str, view: str) -> None:
+    """The 15 leaf frames with most samples, per thread, from py-spy's folded stacks."""
+    leaves: dict[str, int] = {}
+    total = 0
+    for line in folded.splitlines():
+        frames, _, samples = line.rpartition(" ")
+        if not samples.isdigit():
+            continue
+        parts = frames.split(";")
+        key = f"{parts[0]}: {parts[-1]}" if len(parts) > 1 else parts[-1]
+        leaves[key] = leaves.get(key, 0) + int(samples)
+        total += int(samples)
+    what = "samples holding the GIL" if view == "gil" else "all samples, idle ones too"
+    report.say(f"top frames by {what} ({total} samples):")
+    for leaf, n in sorted(leaves.items(), key=lambda kv: -kv[1])[:15]:
+        report.say(f"- {n / max(total, 1):.0%} {leaf}")
+
+
+def run_variant(variant: str, device: torch.device, seconds: float = 12.0) -> None:
+    """The profiled process: one variant of (2), repeated for ``seconds`` after a warm-up epoch."""
     setting, name = variant.split(" | ")
     size, memory, step_text = (part.strip() for part in setting.split(","))
     pinned = memory == "pinned"
     source = sources(device)[(size, pinned)]
     step = step_of(step_text.removeprefix("step: "), device)
     make = loops(source, device, pinned)[name]
+    for batch in make():
+        step(batch)
+    print("warm", flush=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for batch in make():
@@ -289,11 +320,34 @@ def main() -> int:
     parser.add_argument("--convoy-batches", type=int, default=1500)
     parser.add_argument("--quick", action="store_true", help="a few batches of each (a test)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the profiled run of (5)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: all)",
+    )
+    parser.add_argument(
+        "--profile",
+        help="the variant of (2) to profile, as 'tiny, pageable, step: empty | nostall inline' "
+        "(default: the slowest nostall variant measured)",
+    )
+    parser.add_argument("--tiny-batches", type=int, default=BATCHES["tiny"])
+    parser.add_argument(
+        "--sizes", default=",".join(BATCHES), help="the batch sizes of (2), comma-separated"
+    )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        parser.error(f"--parts: {sorted(parts - set(PARTS))} unknown; choose from {PARTS}")
+    BATCHES["tiny"] = args.tiny_batches
+    sizes = args.sizes.split(",")
+    if not set(sizes) <= set(BATCHES):
+        parser.error(f"--sizes: choose from {', '.join(BATCHES)}; got {args.sizes!r}")
+    for size in set(BATCHES) - set(sizes):
+        del BATCHES[size]
     device = torch.device(args.device)
     if args.quick:
         global EPOCHS
-        BATCHES.update(tiny=20, **{"8MB": 4})
+        BATCHES.update({size: {"tiny": 20, "8MB": 4}[size] for size in BATCHES})
         EPOCHS, args.convoy_batches = 1, 20
     if args.variant:
         run_variant(args.variant, device)
@@ -304,20 +358,23 @@ def main() -> int:
     started = time.perf_counter()
     report.say(f"# GPU triage: {machine(device)}")
     report.say()
-    if device.type == "cuda":
-        primitives(report, device)
-        report.save()
-    else:
+    if device.type != "cuda":
         report.say("No GPU: the hand-off on the CPU and the convoy only.")
         report.say()
-    slowest = handoff(report, device)
+    elif "primitives" in parts:
+        primitives(report, device)
+        report.save()
+    slowest = handoff(report, device) if "handoff" in parts else None
     report.save()
-    if device.type == "cuda":
+    if device.type == "cuda" and "h2d" in parts:
         h2d(report, out)
         report.save()
-    convoy(report, args.convoy_batches)
-    report.save()
-    profile(report, out, slowest, device)
+    if "convoy" in parts:
+        convoy(report, args.convoy_batches)
+        report.save()
+    variant = args.profile or slowest
+    if "profile" in parts and variant is not None:
+        profile(report, out, variant, device)
     report.say(f"triage took {time.perf_counter() - started:.0f} s")
     report.save()
     return 0
