@@ -77,6 +77,8 @@ def test_producer_stuck_in_a_slow_source_at_exit() -> None:
     """A producer inside a long __next__ at exit does not hold the process."""
     start = time.monotonic()
     done = run_script("""
+        import nostall._exit
+        nostall._exit.INTERRUPT_WAIT_S = 1.0  # the thread sleeps in C: the wait runs out
         it = iter(nostall.prefetch(Slow(60), timeout=0.2))
         try:
             next(it)

@@ -67,12 +67,15 @@ def interrupt(thread: threading.Thread) -> bool:
     return bool(sent == 1)
 
 
-def wind_down(polite_s: float, interrupt_s: float = INTERRUPT_WAIT_S) -> list[threading.Thread]:
+def wind_down(polite_s: float, interrupt_s: float | None = None) -> list[threading.Thread]:
     """At exit: wait ``polite_s`` for the tracked threads, interrupt the rest, wait again.
 
-    Returns the threads still running after both waits. The caller has asked every producer
-    to stop first.
+    The second wait is ``interrupt_s``, by default :data:`INTERRUPT_WAIT_S` as it is at exit
+    (read then, so that a script can shorten it). Returns the threads still running after both
+    waits. The caller has asked every producer to stop first.
     """
+    if interrupt_s is None:
+        interrupt_s = INTERRUPT_WAIT_S
     exiting.set()
     join_tracked(time.monotonic() + polite_s)
     me = threading.current_thread()
