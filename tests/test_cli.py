@@ -327,6 +327,7 @@ def test_tune_prints_the_best_setting_as_code_beside_yours(
         "    loader = make_loader(num_workers=0, persistent_workers=False, prefetch_factor=None)",
         "    for batch in nostall.prefetch(loader, 'cpu', depth=2):",
     ] == out[:5]
+    assert out[-1].startswith("machine: load average ")  # as the doctor says it
 
 
 def test_tune_with_one_repeat_says_it_cannot_tell(
@@ -373,4 +374,5 @@ def test_tune_help_and_json(
     )
     figures = json.loads(path.read_text())
     assert [140.0, 150.0, 160.0] == sorted(figures["rate"]["runs"])
+    assert {"start", "end"} == set(figures["load_average"])
     assert 80.0 == figures["yours"]["median"]

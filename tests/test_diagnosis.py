@@ -146,10 +146,18 @@ def test_spreads_too_wide_to_call_are_too_busy_to_judge() -> None:
     assert BUSY == bound(Measured((50.0, 100.0, 200.0)), Measured((90.0, 120.0, 150.0)), [])
 
 
-def test_a_machine_with_more_load_than_cores_is_too_busy_to_judge() -> None:
+def test_a_busy_machine_concludes_where_every_run_falls_apart() -> None:
+    """Load 5.2 on 2 cores: runs 2x apart, every one, still say input-bound; close ones don't.
+
+    The doctor once said "too busy" at load 14 with loading and the step 18x apart.
+    """
     load, step = Measured((100.0, 105.0)), Measured((200.0, 210.0))
-    assert BUSY == bound(load, step, [], load_average=5.2, cores=2)
+    assert "input-bound" == bound(load, step, [], load_average=5.2, cores=2)
     assert "input-bound" == bound(load, step, [], load_average=1.5, cores=2)
+    assert "compute-bound" == bound(step, load, [], load_average=14.0, cores=2)
+    close, overlapping = Measured((100.0, 110.0)), Measured((105.0, 112.0))
+    assert "balanced" == bound(close, overlapping, [], load_average=1.5, cores=2)
+    assert BUSY == bound(close, overlapping, [], load_average=5.2, cores=2)
 
 
 def test_one_run_of_each_cannot_tell_the_bound() -> None:
@@ -209,7 +217,10 @@ def test_the_summary_says_the_load_it_was_measured_under() -> None:
     line = "machine: load average up to 0.5 on 2 cores; the step ran with 2 threads."
     assert line in diagnosis.summary().splitlines()
     assert "input-bound" == diagnosis.bound
-    diagnosis.load_average = 5.2
+    diagnosis.load_average = 5.2  # loading 100-120 against the step's 900: apart at any load
+    assert diagnosis.summary().startswith("input-bound: ")
+    assert "so the verdict (input-bound) stands" in diagnosis.summary()
+    assert (5.2, 2) == (diagnosis.to_dict()["load_average"], diagnosis.to_dict()["cores"])
+    diagnosis.step_rate = Measured((105.0, 112.0, 118.0))  # within loading's spread
     assert diagnosis.summary().startswith("too busy to judge: ")
     assert "run again when the machine is quieter" in diagnosis.summary()
-    assert (5.2, 2) == (diagnosis.to_dict()["load_average"], diagnosis.to_dict()["cores"])

@@ -620,3 +620,19 @@ def test_the_doctor_never_recommends_threads_for_a_loader_drawing_from_the_globa
     assert "thread safety: not checked, and threads not tried" in summary
     if diagnosis.code and diagnosis.best[0].num_workers not in (None, 0):
         assert "# NOTE: this changes the random draws your model sees" in diagnosis.code
+
+
+def test_tune_says_the_load_and_what_a_busy_machine_means(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """nostall tune's last line: the load at its start and end; on a busy machine, the rule."""
+    from nostall._tools import doctor
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    quiet = doctor.tune_machine_line(0.4, 1.1)
+    assert quiet == "machine: load average 0.4 at the start, 1.1 at the end on 2 cores."
+    busy = doctor.tune_machine_line(1.5, 14.0)
+    assert busy is not None
+    assert busy.startswith("machine: load average 1.5 at the start, 14.0 at the end on 2 cores.")
+    assert "called faster only where every run of it beat every run of yours" in busy
+    assert doctor.tune_machine_line(None, None) is None

@@ -299,7 +299,7 @@ def _tune(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .doctor import tune_summary
+    from .doctor import load_average, tune_summary
     from .doctor_report import check_output
     from .specs import checked_factory, load_callable
     from .tune import tune
@@ -310,6 +310,7 @@ def _tune(args: argparse.Namespace) -> int:
     step = load_callable(args.step, "--step") if args.step else None
     transform = load_callable(args.transform, "--transform") if args.transform else None
     total = args.max_batches
+    start = load_average()
     with _progress_bar(args.no_progress) as progress:
         # Not wrapped: what the user's own code raises keeps its traceback (see main()).
         result = tune(
@@ -323,9 +324,11 @@ def _tune(args: argparse.Namespace) -> int:
                 f"{s.describe()}: {rate:,.0f} samples/s", min(spent / total, 1.0)
             ),
         )
-    print(tune_summary(result, factory, device, transform))
+    end = load_average()
+    print(tune_summary(result, factory, device, transform, (start, end)))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        figures = {**result.to_dict(), "load_average": {"start": start, "end": end}}
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -54,19 +54,20 @@ def bound(
     the step in the loop (samples/s). The verdict follows from these figures:
 
     * no step: unknown;
-    * a machine :func:`too_busy`, or figures that contradict each other (a loop with the
-      step in it ran faster, all runs, than the step alone: the load moved them between
-      measurements): :data:`BUSY`;
+    * figures that contradict each other (a loop with the step in it ran faster, all runs,
+      than the step alone: the load moved them between measurements): :data:`BUSY`;
     * loading or the step measured once: :data:`ONE_RUN` (no spread to judge by);
     * loading slower than the step, every run, and by more than a tenth (medians):
-      input-bound; faster: compute-bound; within a tenth: balanced;
-    * the spreads overlap: balanced where every run of both lies within
+      input-bound; faster: compute-bound; within a tenth: balanced. On any machine, however
+      busy: runs that fall apart, all of them, were measured under the same load;
+    * the spreads overlap: on a machine :func:`too_busy`, :data:`BUSY` (the load may be
+      what brought them together); else balanced where every run of both lies within
       :data:`BALANCED_RATIO` of every other, else :data:`BUSY` (the spread is wider than
       the difference it would have to show).
     """
     if step is None:
         return "unknown (no --step given)"
-    if too_busy(load_average, cores) or any(loop.low > step.high for loop in loops):
+    if any(loop.low > step.high for loop in loops):
         return BUSY
     if min(load.n, step.n) < 2:
         return ONE_RUN
@@ -75,6 +76,8 @@ def bound(
         return "input-bound" if ratio < 0.9 else "balanced"
     if load.low > step.high:
         return "compute-bound" if ratio > 1.1 else "balanced"
+    if too_busy(load_average, cores):
+        return BUSY
     least = min(load.low, step.low)
     if least > 0 and max(load.high, step.high) <= BALANCED_RATIO * least:
         return "balanced"
@@ -138,12 +141,21 @@ class Diagnosis:
         cores = "" if self.cores is None else f" on {self.cores} cores"
         threads = "" if self.threads is None else f"; the step ran with {self.threads} threads"
         line = f"machine: load average up to {self.load_average:.1f}{cores}{threads}."
-        if too_busy(self.load_average, self.cores):
-            line += (
+        if not too_busy(self.load_average, self.cores):
+            return line
+        verdict = self.bound
+        if verdict == BUSY:
+            return line + (
                 " More processes wanted the cores than there are: every figure here moves with "
                 "them, too much to judge which is slower; run again when the machine is quieter."
             )
-        return line
+        if verdict in ("input-bound", "compute-bound", "balanced"):
+            return line + (
+                " More processes wanted the cores than there are, so every figure moves with "
+                "them; but every run of loading alone fell apart from every run of the step "
+                f"alone, so the verdict ({verdict}) stands."
+            )
+        return line + " More processes wanted the cores than there are: the figures move."
 
     def contradiction(self) -> str | None:
         """A loop with the step in it measured faster than the step alone, if one was."""

@@ -29,7 +29,7 @@ from .._exceptions import ConfigurationError
 from ..cuda._timing import Measured, synchronize
 from ..cuda._transfer import to_device
 from ..cuda._tree import batch_size_of
-from .diagnosis import Diagnosis, draws_line, per_s
+from .diagnosis import Diagnosis, draws_line, per_s, too_busy
 from .specs import checked_factory
 from .tune import (
     YOURS,
@@ -109,7 +109,7 @@ def diagnose(
     run_cost = RUN_BATCHES + 2
     total = 4 * repeats * run_cost + max_batches
     done = 0
-    load_averages = [_load_average()]
+    load_averages = [load_average()]
 
     def say(phase: str) -> None:
         if progress is not None:
@@ -145,7 +145,7 @@ def diagnose(
             steps.append(_step_rate(batch, step, dev, threads))
     load = Measured(tuple(loads))
     step_rate = Measured(tuple(steps)) if steps else None
-    load_averages.append(_load_average())
+    load_averages.append(load_average())
 
     def trial(setting: Setting, rate: float, spent: int) -> None:
         nonlocal done
@@ -163,7 +163,7 @@ def diagnose(
         repeats=repeats,
     )
     done = repeats * run_cost + max_batches
-    load_averages.append(_load_average())
+    load_averages.append(load_average())
     plain = Setting(search.best.num_workers, None)
     # What the search did not measure again, in turns, and the best without nostall.
     wanted = [s for s in (DEFAULT, search.best) if not _has_runs(search.measured(s), repeats)]
@@ -173,7 +173,7 @@ def diagnose(
             runs[setting].append(
                 run(setting, f"again: {setting.describe()} (run {i + 1} of {repeats})")
             )
-    load_averages.append(_load_average())
+    load_averages.append(load_average())
 
     def measured(setting: Setting) -> Measured:
         if setting in runs:
@@ -209,7 +209,7 @@ def _has_runs(rate: Measured | None, repeats: int) -> bool:
     return rate is not None and rate.n >= repeats
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
     """The one-minute load average (None where the system keeps none: Windows)."""
     try:
         return os.getloadavg()[0]
@@ -261,12 +261,18 @@ def recommend(
 
 
 def tune_summary(
-    result: TuneResult, factory: Factory, device: Any, transform: Transform | None = None
+    result: TuneResult,
+    factory: Factory,
+    device: Any,
+    transform: Transform | None = None,
+    load: tuple[float | None, float | None] = (None, None),
 ) -> str:
     """What ``nostall tune`` prints: the best found beside the loop as built, and the code.
 
     The same rule as the doctor's: the code to paste only where the best is measurably faster
     than the loop as built (:attr:`TuneResult.speedup`); otherwise what the figures allow.
+    ``load``: the one-minute load average when the search began and when it ended, said
+    last, as the doctor says it (None where the system keeps none).
     """
     rate = result.rate
     lines = [f"best found: {result.best.describe()}, {per_s(rate)}."]
@@ -293,7 +299,29 @@ def tune_summary(
         lines.append(draws_line(result.drew))
     if result.thread_safety is not None:
         lines.append(result.thread_safety.describe())
+    machine = tune_machine_line(*load)
+    if machine is not None:
+        lines.append(machine)
     return "\n".join(lines)
+
+
+def tune_machine_line(start: float | None, end: float | None) -> str | None:
+    """The load ``nostall tune`` measured under, and what a busy machine means for its claims."""
+    known = [a for a in (start, end) if a is not None]
+    if not known:
+        return None
+    cores = os.cpu_count()
+    at = ", ".join(
+        f"{a:.1f} at the {when}" for a, when in ((start, "start"), (end, "end")) if a is not None
+    )
+    line = f"machine: load average {at}" + (f" on {cores} cores." if cores else ".")
+    if too_busy(max(known), cores):
+        line += (
+            " More processes wanted the cores than there are, so every figure moves with them: "
+            "a setting is called faster only where every run of it beat every run of yours; "
+            "run again when the machine is quieter to compare settings closer than that."
+        )
+    return line
 
 
 def _too_few(factory: Factory, used: int) -> str:
