@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 from collections.abc import Callable, Iterator
@@ -794,8 +795,12 @@ def state_at_the_end_of_epoch_1(setter: str, after_end: bool) -> dict[str, Any]:
             batches.set_epoch(epoch)
         elif setter == "sampler":
             batches.sampler.set_epoch(epoch)  # as Lightning does
-        for _ in batches:
-            state = batches.state_dict()
+        with contextlib.ExitStack() as stack:
+            if setter == "nobody" and epoch == 1:  # the second epoch repeats the first's order
+                said = r"set_epoch\(\) was not called between them"
+                stack.enter_context(pytest.warns(UserWarning, match=said))
+            for _ in batches:
+                state = batches.state_dict()
     if after_end:
         state = batches.state_dict()
     batches.close()

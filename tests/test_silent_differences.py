@@ -18,6 +18,7 @@ from helpers import wait_until
 from torch.utils.data import (
     DataLoader,
     Dataset,
+    DistributedSampler,
     IterableDataset,
     SubsetRandomSampler,
     get_worker_info,
@@ -331,3 +332,94 @@ def test_a_seeded_loader_with_a_sequential_sampler_is_not_warned_of() -> None:
                 for _ in batches:
                     pass
     assert [] == [str(w.message) for w in caught if "opened this epoch ahead" in str(w.message)]
+
+
+def test_a_distributed_sampler_opened_ahead_is_said_to_draw_only_the_base_seed() -> None:
+    """Its order comes from its own seed: the warning says only the base seed was drawn."""
+    sampler: DistributedSampler[int] = DistributedSampler(Counted(), num_replicas=1, rank=0, seed=0)
+    batches = nostall.prefetch(
+        DataLoader(Counted(), batch_size=4, sampler=sampler), across_epochs=True
+    )
+
+    def two_epochs() -> None:
+        for epoch in range(2):
+            for _ in batches:
+                pass
+            if not epoch:
+                opened_ahead(batches)
+
+    with pytest.warns(UserWarning, match="opened this epoch ahead") as caught:
+        two_epochs()
+    batches.close()
+    message = next(str(w.message) for w in caught if "opened this epoch ahead" in str(w.message))
+    assert "drew its base seed (for its workers' seeds) from torch's" in message
+    assert "its order" not in message
+
+
+def distributed(shuffle: bool = True) -> DataLoader[int]:
+    """One rank of one: a DistributedSampler without a process group."""
+    sampler: DistributedSampler[int] = DistributedSampler(
+        Counted(), num_replicas=1, rank=0, shuffle=shuffle, seed=0
+    )
+    return DataLoader(Counted(), batch_size=5, sampler=sampler)
+
+
+def orders(batches: Any, epochs: int, set_epoch: bool = False) -> list[list[int]]:
+    seen = []
+    for epoch in range(epochs):
+        if set_epoch:
+            batches.set_epoch(epoch)
+        seen.append([int(x) for batch in batches for x in batch])
+    return seen
+
+
+def test_a_distributed_sampler_never_set_to_a_new_epoch_is_warned_of_once() -> None:
+    """Every epoch repeats the first's order, as a plain DataLoader does: said, with the fix."""
+    plain = orders(distributed(), 3)
+    assert plain[0] == plain[1] == plain[2]  # the silent difference a user does not see
+    batches = nostall.prefetch(distributed())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plain == orders(batches, 3)
+    said = [w for w in caught if "set_epoch() was not called" in str(w.message)]
+    assert 1 == len(said), [str(w.message) for w in caught]
+    assert "prefetcher.set_epoch(epoch)" in str(said[0].message)
+    assert "across_epochs=True" in str(said[0].message)
+    assert __file__ == said[0].filename  # at the user's line
+
+
+@pytest.mark.parametrize("how", ["set_epoch", "across_epochs", "no shuffle"])
+def test_a_distributed_sampler_set_each_epoch_is_not_warned_of(how: str) -> None:
+    loader = distributed(shuffle=how != "no shuffle")
+    batches = nostall.prefetch(loader, across_epochs=how == "across_epochs")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen = orders(batches, 3, set_epoch=how == "set_epoch")
+    batches.close()
+    assert [] == [str(w.message) for w in caught if "set_epoch() was not called" in str(w.message)]
+    assert (seen[0] != seen[1]) == (how != "no shuffle")
+
+
+class Shard(torch.utils.data.BatchSampler):
+    """A BatchSampler subclass without ``.sampler``, as accelerate's shards are."""
+
+    def __init__(self, inner: torch.utils.data.BatchSampler) -> None:
+        self.inner = inner  # no super().__init__: no .sampler, no .batch_size
+
+    def __iter__(self) -> Any:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_a_batch_sampler_without_a_sampler_attribute_is_looked_past() -> None:
+    """The check reads the DataLoader's own sampler then: no AttributeError, no warning."""
+    inner = torch.utils.data.BatchSampler(range(len(Counted())), batch_size=5, drop_last=False)
+    loader = DataLoader(Counted(), batch_sampler=Shard(inner))
+    batches = nostall.prefetch(loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert orders(loader, 2) == orders(batches, 2)
+    batches.close()
+    assert [] == [str(w.message) for w in caught if "set_epoch() was not called" in str(w.message)]

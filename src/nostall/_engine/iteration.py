@@ -387,7 +387,7 @@ class PrefetchIterator(Iterator[T]):
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
         self._index = puller.pulled  # a resumed epoch starts after the batches already seen
-        epochs.note_marks()  # as this open left them (it may have set the epoch)
+        epochs.opened_here()  # its marks as this open left them (it may have set the epoch)
         lineage.carry(puller)
         self._launch(puller)
         return puller

@@ -28,6 +28,7 @@ from .._loading.pool import Pool
 from .._loading.threadable import warn_unseeded_threads
 from .._loading.threaded_stream import ThreadedStream
 from .._loading.threads import ThreadedEpoch
+from .._sources.checks import SameEpochWatch
 from .._sources.generators import HandBack, Saved
 from .._sources.global_draws import DrawWatch
 from .._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
@@ -73,6 +74,8 @@ class EpochSource:
         self.kind = classify(source)
         #: Whether the source draws from the global generators; pulled in step while it may.
         self.draws = DrawWatch(self.kind, threads=threads, transform=transform, timeout=timeout)
+        #: Whether a shuffling DistributedSampler is left at one epoch (see :meth:`opened_here`).
+        self.same_epoch = SameEpochWatch()
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)
@@ -181,6 +184,11 @@ class EpochSource:
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
         return epoch_marks(self.source)
+
+    def opened_here(self) -> None:
+        """The consumer opened an epoch (its sampler's epoch is now the one it draws with)."""
+        self.same_epoch.opened(self.kind, self.across_epochs)
+        self.note_marks()
 
     def note_marks(self) -> None:
         """nostall set (or saw) the sampler's epoch: its marks now are not someone else's."""

@@ -8,6 +8,7 @@ where a resume cannot be exact. Nothing here changes what is loaded.
 from __future__ import annotations
 
 import torch
+from torch.utils.data import BatchSampler, DistributedSampler
 
 from .._clients.accelerate import accelerate_is_active
 from .._warn import warn
@@ -149,9 +150,16 @@ def warn_drawn_ahead(kind: SourceKind) -> None:
     unseeded = [s for s in samplers if s is not None and getattr(s, "generator", 0) is None]
     if (loader.generator is not None or kind.persistent) and not unseeded:
         return
+    # What drew: a sampler with a seed of its own (a DistributedSampler's) draws nothing
+    # there; the DataLoader's base seed (its workers' seeds, drawn with or without workers)
+    # is drawn from torch's generator unless the DataLoader has a generator= of its own.
+    drew = " and ".join(
+        (["its order"] if unseeded else [])
+        + (["its base seed (for its workers' seeds)"] if loader.generator is None else [])
+    )
     warn(
         f"nostall: across_epochs=True opened this epoch ahead, in its background thread, and "
-        f"{describe(kind.source)} drew its order and its workers' base seed from torch's "
+        f"{describe(kind.source)} drew {drew} from torch's "
         f"global generator there, at a moment that depends on the threads: what your loop "
         f"draws from that generator around the epoch's end (dropout, augmentations, the code "
         f"after the last epoch) no longer matches a plain loop. Pass "
@@ -159,3 +167,41 @@ def warn_drawn_ahead(kind: SourceKind) -> None:
         f"RandomSampler you build) to keep its draws apart",
         UserWarning,
     )
+
+
+class SameEpochWatch:
+    """Warns once when a shuffling ``DistributedSampler`` starts an epoch at the last one's epoch.
+
+    Its order is drawn from its seed and its ``epoch`` alone: where nobody calls ``set_epoch``
+    between epochs, every epoch repeats the first one's order, with or without nostall (a
+    plain ``DataLoader`` does the same, silently). Asked as each epoch opens in the loop's
+    thread, after the source's own ``iter()`` (Fabric's and accelerate's set the epoch there);
+    not where nostall counts the epochs itself (``across_epochs=True``).
+    """
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+        self._warned = False
+
+    def opened(self, kind: SourceKind, across_epochs: bool) -> None:
+        """An epoch was opened over ``kind``'s source (with its sampler's epoch as it is now)."""
+        if self._warned or across_epochs or kind.loader is None:
+            return
+        sampler = kind.loader.sampler
+        if isinstance(kind.loader.batch_sampler, BatchSampler):
+            # Not every BatchSampler subclass keeps a .sampler (accelerate's shards do not).
+            sampler = getattr(kind.loader.batch_sampler, "sampler", sampler)
+        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
+            return
+        epoch, self._last = self._last, sampler.epoch
+        if epoch != sampler.epoch:
+            return
+        self._warned = True
+        warn(
+            f"nostall: the DistributedSampler of {describe(kind.source)} starts this epoch at "
+            f"epoch {epoch}, as it started the last one: set_epoch() was not called between "
+            f"them, so this epoch shuffles in the same order as the last (a plain DataLoader "
+            f"would too). Call prefetcher.set_epoch(epoch) (or loader.sampler.set_epoch(epoch)) "
+            f"before each epoch, or pass across_epochs=True to let nostall count the epochs",
+            UserWarning,
+        )
