@@ -1027,3 +1027,85 @@ def test_a_state_past_an_estimated_len_is_loaded() -> None:
     rest = [[b.tolist() for b in resumed] for _ in range(2)]
     resumed.close()
     assert [[], plain[1]] == rest
+
+
+# -- a checkpoint saved just before a batch that raises -------------------------------------------
+
+
+class RaisesAtSix(Dataset[int]):
+    """Twelve samples; sample 6 raises, every time (a corrupt file)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        if i == 6:
+            raise ValueError("sample 6 is corrupt")
+        return i
+
+
+class StreamRaisingAtSix(IterableDataset[int]):
+    """The same as a stream: its iterator raises at 6 and goes on after it."""
+
+    def __iter__(self) -> Iterator[int]:
+        return _Items()
+
+
+class _Items:
+    def __init__(self) -> None:
+        self.i = -1
+
+    def __iter__(self) -> _Items:
+        return self
+
+    def __next__(self) -> int:
+        self.i += 1
+        if self.i >= 12:
+            raise StopIteration
+        if self.i == 6:
+            raise ValueError("sample 6 is corrupt")
+        return self.i
+
+
+def _caught(batches: Any, save_after: list[int] | None = None) -> tuple[list[Any], Any]:
+    """An epoch as a loop that catches a batch's error and goes on sees it; the state saved."""
+    seen: list[Any] = []
+    state = None
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return seen, state
+        except ValueError:
+            seen.append("error")
+            continue
+        seen.append(batch.tolist())
+        if batch.tolist() == save_after:
+            state = roundtrip(batches.state_dict())
+
+
+@pytest.mark.parametrize("mode", ["map-style", "threads", "stream", "across_epochs"])
+def test_a_state_saved_just_before_a_batch_that_raises_resumes_everything_after_it(
+    mode: str,
+) -> None:
+    """The resumed epoch raises that batch's error, then gives the rest, as uninterrupted."""
+
+    def make() -> Any:
+        dataset = StreamRaisingAtSix() if mode == "stream" else RaisesAtSix()
+        loader = DataLoader(dataset, batch_size=2)
+        threads = 2 if mode == "threads" else None
+        return nostall.prefetch(
+            loader, "cpu", threads=threads, across_epochs=mode == "across_epochs"
+        )
+
+    uninterrupted = make()
+    seen, state = _caught(uninterrupted, save_after=[4, 5])
+    uninterrupted.close()
+    # A stream's batch is lost with its error, and the next starts at 7: as a DataLoader's.
+    after = [[8, 9], [10, 11]] if mode != "stream" else [[7, 8], [9, 10], [11]]
+    assert [[0, 1], [2, 3], [4, 5], "error", *after] == seen
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert ["error", *after] == _caught(resumed)[0]
+    resumed.close()

@@ -344,9 +344,15 @@ class EpochSource:
                 it = skip_ahead(self.iterable, skipped, self._iterate, back)
             # Pull the first batch now: a sampler may draw its order lazily at its first item
             # (where batches were skipped, the skip gave the generators back right after it).
-            first = list(itertools.islice(it, 1))
+            # A batch that raises raises at its next(), as uninterrupted: not taken for the
+            # epoch's opening failing, which would end the epoch and lose what follows it.
+            error: Exception | None = None
+            try:
+                first = list(itertools.islice(it, 1))
+            except Exception as e:
+                first, error = [], e
             drew = back.drew if skipped else not torch.equal(torch.get_rng_state(), rng["torch"])
-            return TakenAhead(first, it), drew
+            return TakenAhead(first, it, error), drew
         finally:
             if skipped:
                 back()

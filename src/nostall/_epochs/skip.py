@@ -43,16 +43,26 @@ class TakenAhead:
     """An epoch's iterator whose first batch (``first``) was pulled when it was opened.
 
     Handing that batch over pulls nothing from the source, so the pull that does is not
-    judged for draws (see ``DrawWatch.pull``).
+    judged for draws (see ``DrawWatch.pull``). Where pulling it raised (``error``: the
+    batch's own error, as the uninterrupted epoch raised it there), the first ``next()``
+    raises that error and the epoch goes on after it, as a loader's iterator does after a
+    batch's error: the error is the batch's, not the epoch's opening.
     """
 
-    def __init__(self, first: list[Any], rest: Iterator[Any]) -> None:
+    def __init__(
+        self, first: list[Any], rest: Iterator[Any], error: Exception | None = None
+    ) -> None:
         self.items = itertools.chain(first, rest)
+        self.error = error
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
+        error = self.error
+        if error is not None:
+            self.error = None  # raised once; the next batches follow it
+            raise error
         return next(self.items)
 
 
