@@ -233,3 +233,16 @@ def test_doc_links_resolve(page: Path) -> None:
         if not linked.exists() or (anchor and anchor not in _anchors(linked)):
             broken.append(target)
     assert [] == broken
+
+
+def test_the_readme_install_line_is_light() -> None:
+    """nostall itself needs torch and rich alone; the README says how to install just that."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] for d in project["dependencies"]}
+    assert {"torch", "rich"} == names
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install ./nostall" in readme
+    for extra in project["optional-dependencies"]:
+        if extra != "dev":
+            assert f"`[{extra}]`" in readme, extra
