@@ -7,6 +7,7 @@ test_epochs.py, test_exit.py); here, what belongs to the iterator alone.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -156,3 +157,79 @@ def test_a_refused_producer_thread_raises_the_os_error_then_next_goes_on() -> No
     assert list(range(6)) == list(it)
     p.close()
     wait_for_no_nostall_threads()
+
+
+# -- warnings turned into errors (python -W error), in a loop that catches and goes on -----------
+
+
+def _every_batch_catching_warnings(batches: Any) -> tuple[list[Any], list[str]]:
+    """One epoch as a loop that turns warnings into errors, catches them and goes on."""
+    import warnings
+
+    seen: list[Any] = []
+    said: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        it = iter(batches)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return seen, said
+            except Warning as w:
+                said.append(str(w))
+                continue
+            seen.append(batch.tolist())
+
+
+def _drawing_collate(items: list[int]) -> torch.Tensor:
+    torch.rand(1)  # draws from torch's global generator, as a masking collator does
+    return torch.tensor(items)
+
+
+def test_a_draw_warning_made_an_error_loses_no_batch_and_the_epoch_ends() -> None:
+    """Said once, before the next batch is taken: every batch, then the end (it hung before)."""
+    loader = DataLoader(as_dataset(range(12)), batch_size=2, collate_fn=_drawing_collate)
+    p = nostall.prefetch(loader, "cpu")
+    seen, said = _every_batch_catching_warnings(p)
+    p.close()
+    assert [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]] == seen
+    assert 1 == len(said)
+    assert "draws from torch's global generator" in said[0]
+
+
+def test_an_across_epochs_warning_made_an_error_loses_no_batch() -> None:
+    """The order drawn ahead is said as the epoch starts; the epoch is there after it."""
+    torch.manual_seed(0)
+    loader = DataLoader(as_dataset(range(8)), batch_size=2, shuffle=True)
+    p = nostall.prefetch(loader, "cpu", across_epochs=True)
+    epochs = [_every_batch_catching_warnings(p) for _ in range(3)]
+    p.close()
+    for seen, _ in epochs:
+        assert list(range(8)) == sorted(x for batch in seen for x in batch)
+    assert any("opened this epoch ahead" in s for _, said in epochs for s in said)
+
+
+def test_an_exhausted_one_shot_source_warned_as_an_error_still_ends_its_epoch() -> None:
+    p = nostall.prefetch(iter([torch.zeros(1), torch.ones(1)]), "cpu")
+    assert [[0.0], [1.0]] == _every_batch_catching_warnings(p)[0]
+    seen, said = _every_batch_catching_warnings(p)
+    p.close()
+    assert [] == seen
+    assert 1 == len(said)
+    assert "one-shot iterator that is exhausted" in said[0]
+
+
+def test_a_same_epoch_warning_made_an_error_loses_no_batch() -> None:
+    """A DistributedSampler left at one epoch: said as the second epoch opens, which goes on."""
+    from torch.utils.data import DistributedSampler
+
+    data = as_dataset(range(10))
+    sampler: DistributedSampler[int] = DistributedSampler(data, num_replicas=1, rank=0, seed=0)
+    p = nostall.prefetch(DataLoader(data, batch_size=5, sampler=sampler), "cpu")
+    first, _ = _every_batch_catching_warnings(p)
+    second, said = _every_batch_catching_warnings(p)
+    p.close()
+    assert first == second  # the same order: nobody set the epoch
+    assert 1 == len(said)
+    assert "set_epoch() was not called" in said[0]

@@ -151,9 +151,12 @@ class PrefetchIterator(Iterator[T]):
             draws = puller.epochs.draws
             timeout = self._settings.timeout
             if draws.in_step:  # the source may draw from the global generators
+                # A draw a pull saw is said here, at the user's line, before this call takes
+                # anything: a warning turned into an error (python -W error) then loses no
+                # batch, and the next call goes on (it is said once).
+                draws.report()
                 puller.want(wake=timeout is not None)
                 message = puller.channel.get(self._index, timeout, puller.pull_here)
-                draws.report()  # here: at the user's line
                 return self._take(puller, message)
             channel = puller.channel
             # Pulling inline (see Overlap): this thread pulls, as a plain loop does; what was
@@ -326,11 +329,13 @@ class PrefetchIterator(Iterator[T]):
             # In step, it was opened when asked for; pulling inline, it is opened at the first
             # pull of this pass, in this thread, as a plain loop opens it: no warning then.
             opened = ahead.batches is not None or ahead.epoch in ahead.open_marks
-            if opened and not lineage.epochs.draws.in_step:
-                warn_drawn_ahead(lineage.epochs.kind)
             self._state, self._puller, self._index = Lifecycle.RUNNING, ahead, 0
             if self._overlap is not None:
                 self._overlap.interrupted(ahead)
+            # Warned of once the epoch is this iteration's: raised as an error, it loses
+            # nothing, and the next next() takes the epoch's first batch.
+            if opened and not lineage.epochs.draws.in_step:
+                warn_drawn_ahead(lineage.epochs.kind)
             return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
@@ -371,13 +376,14 @@ class PrefetchIterator(Iterator[T]):
         if lineage.carry_over(channel):
             return puller
         if lineage.exhausted:
+            # The end first: the warning, made an error, then leaves the empty epoch to end.
+            channel.put_ready((END, 0, lineage.epoch, None, None))
             warn(
                 f"nostall: the source {describe(epochs.source)} is a one-shot iterator that is "
                 f"exhausted, so this epoch is empty; pass a re-iterable source (a DataLoader, a "
                 f"list, or an object whose __iter__ returns a new iterator) to iterate again",
                 UserWarning,
             )
-            channel.put_ready((END, 0, lineage.epoch, None, None))
             return puller
         epochs.before_open()
         try:
@@ -387,9 +393,10 @@ class PrefetchIterator(Iterator[T]):
             add_note(e, "nostall: raised by iter(source) at the first next() of this epoch")
             raise
         self._index = puller.pulled  # a resumed epoch starts after the batches already seen
-        epochs.opened_here()  # its marks as this open left them (it may have set the epoch)
+        epochs.note_marks()  # as this open left them (it may have set the epoch)
         lineage.carry(puller)
         self._launch(puller)
+        epochs.opened_here()  # last: a warning made an error leaves the epoch ready to go on
         return puller
 
     def _launch(self, puller: Puller) -> None:

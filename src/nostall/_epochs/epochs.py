@@ -186,9 +186,12 @@ class EpochSource:
         return epoch_marks(self.source)
 
     def opened_here(self) -> None:
-        """The consumer opened an epoch (its sampler's epoch is now the one it draws with)."""
+        """The consumer opened an epoch (its sampler's epoch is now the one it draws with).
+
+        Called once the epoch is under way (its marks noted, its producer started): the
+        warning it may raise, made an error, loses nothing.
+        """
         self.same_epoch.opened(self.kind, self.across_epochs)
-        self.note_marks()
 
     def note_marks(self) -> None:
         """nostall set (or saw) the sampler's epoch: its marks now are not someone else's."""
