@@ -173,6 +173,39 @@ def test_an_error_comes_at_its_workers_turn_and_the_epoch_goes_on(generator: boo
         assert expected == outcomes(p)
 
 
+class FailingFirst(IterableDataset[torch.Tensor]):
+    """Split by worker in ``__iter__``; each worker's first item raises, the rest follow."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        return _FirstFails(0 if info is None else info.id)
+
+
+class _FirstFails(Iterator[torch.Tensor]):
+    def __init__(self, worker: int) -> None:
+        self.worker, self.i = worker, 0
+
+    def __next__(self) -> torch.Tensor:
+        i, self.i = self.i, self.i + 1
+        if i >= 5:
+            raise StopIteration
+        if i == 0:
+            raise ValueError(f"bad first item of worker {self.worker}")
+        return torch.tensor([self.worker, i])
+
+
+def test_a_worker_whose_first_batch_raises_is_known_to_have_split() -> None:
+    """Its __iter__ asked which worker it is before the error: not refused later as unsplit.
+
+    It was: the next batch raised NotSplitError and the epoch ended (12 of 39 items where the
+    DataLoader delivers 39 and one error).
+    """
+    expected = outcomes(DataLoader(FailingFirst(), batch_size=2, num_workers=2))
+    assert 2 == expected.count("ValueError")
+    with nostall.prefetch(DataLoader(FailingFirst(), batch_size=2), "cpu", threads=2) as p:
+        assert expected == outcomes(p)
+
+
 def test_a_break_leaves_no_loading_thread() -> None:
     """Leaving an epoch mid-way and closing stops every worker's thread."""
     p = nostall.prefetch(DataLoader(Shards([50] * 4), batch_size=2), "cpu", threads=4)

@@ -243,6 +243,9 @@ class _Fetcher:
             except ThreadLetGo:
                 raise
             except Exception as e:
+                # What the dataset asked before it raised counts: a worker whose first batch
+                # raises, after its __iter__ asked which worker it is, has split its items.
+                worker.asked = worker.asked or worker_info_asked()
                 add_note(
                     e,
                     f"nostall: raised by the dataset's iterator in worker {worker.index} of "
