@@ -232,6 +232,32 @@ def test_a_state_saved_mid_epoch_resumes_the_rest() -> None:
     q.close()
 
 
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [(2, 3), (2, None), (None, 2), ("workers", 3)], ids=str
+)
+def test_a_stream_state_resumed_with_another_reader_count_is_refused(
+    saved: int | str | None, resumed: int | None
+) -> None:
+    """Its batches take the readers' items in turn: another count would lose and repeat items.
+
+    (It did, silently: 15 of 19 save points were wrong.) The same count resumes (above).
+    """
+    dataset = Shards([9, 2, 7, 5])
+    workers = 2 if saved == "workers" else 0
+    threads = saved if isinstance(saved, int) else None
+    loader = DataLoader(dataset, batch_size=2, num_workers=workers)
+    with nostall.prefetch(loader, "cpu", threads=threads) as p:
+        it = iter(p)
+        for _ in range(3):
+            next(it)
+        state = p.state_dict()
+    here = nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=resumed)
+    again = "threads=2" if saved is not None else "leave threads= out"
+    with pytest.raises(ValueError, match=rf"read the stream.*lose some items.*{again}"):
+        here.load_state_dict(state)
+    here.close()
+
+
 def test_a_webdataset_pipeline_is_split_between_threads_as_between_workers(
     tmp_path: Any,
 ) -> None:

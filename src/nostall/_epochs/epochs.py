@@ -181,6 +181,21 @@ class EpochSource:
         """
         return self.length() if self.kind.counted else None
 
+    def stream_readers(self) -> int | None:
+        """How many workers split a stream's items (its batches take theirs in turn).
+
+        The loading threads (``threads=``), else the DataLoader's own worker processes (one
+        reader without any); None for a map-style source or one that is no DataLoader,
+        whose order does not depend on who loads it. A stream resumed with another count
+        would skip other batches than the ones handed out: a state records it.
+        """
+        loader = self.kind.loader
+        if loader is None or self.kind.map_style:
+            return None
+        if self.pool is not None and self.mirror is None:
+            return self.pool.size
+        return max(1, loader.num_workers)
+
     def marks(self) -> tuple[tuple[str, int], ...]:
         """See :func:`epoch_marks`."""
         return epoch_marks(self.source)

@@ -142,7 +142,7 @@ def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]
         "source_state": saved if epochs.stateful else None,
         "replay": None
         if epochs.stateful or saved is None
-        else {**saved, **describe_order(epochs.source)},
+        else {**saved, **describe_order(epochs.source), **_readers(epochs)},
     }
     if at.transform_state is not None:
         state["transform"] = at.transform_state
@@ -233,8 +233,48 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"the state was saved for samplers {replay.get('samplers')}, this source has "
             f"{here['samplers']}; resume with an identically built loader"
         )
+    _check_readers(replay, epochs)
     _check_replay(replay, "state['replay']")
     return state
+
+
+def _readers(epochs: EpochSource) -> dict[str, int]:
+    """``stream_readers`` for a state's replay record, where the source is a stream."""
+    readers = epochs.stream_readers()
+    return {} if readers is None else {"stream_readers": readers}
+
+
+def _check_readers(replay: dict[str, Any], epochs: EpochSource) -> None:
+    """A stream's state resumes only with as many readers as it was saved with.
+
+    Its batches take the readers' items in turn: with another count, skipping the batches
+    handed out would skip other items, and the rest of the epoch would lose some and repeat
+    others. (A state saved before the count was recorded is taken as it is.)
+    """
+    saved, here = replay.get("stream_readers"), epochs.stream_readers()
+    if saved is None or here is None or saved == here:
+        return
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
+        raise ValueError(
+            f"state['replay']['stream_readers'] must be a positive int ({received(saved)}); "
+            f"pass a state from Prefetcher.state_dict()"
+        )
+    same = (
+        "leave threads= out, over a DataLoader with num_workers=0"
+        if saved == 1
+        else f"nostall.prefetch(loader, threads={saved}), or a DataLoader with "
+        f"num_workers={saved} and no threads="
+    )
+    raise ValueError(
+        f"this state was saved while {_readers_text(saved)} read the stream, and "
+        f"{_readers_text(here)} read it here: its batches take the readers' items in turn, so "
+        f"the rest of the epoch would lose some items and repeat others. Resume with the same "
+        f"count: {same}"
+    )
+
+
+def _readers_text(n: int) -> str:
+    return "one reader" if n == 1 else f"{n} loading threads or workers"
 
 
 #: The largest count or epoch a state may hold: an int64, as torch keeps them (a
