@@ -15,6 +15,7 @@ from helpers import (
     assert_same_batches,
     refused_thread_starts,
     wait_for_no_nostall_threads,
+    wait_until,
 )
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -703,3 +704,51 @@ def test_a_slow_first_batch_under_a_loader_timeout_is_each_batch_once() -> None:
     with nostall.prefetch(loader, threads=4) as batches:
         got = [int(b) for b in batches]
     assert [0, 1, 2, 3, 4, 5] == got
+
+
+class HeldAtFourAndFive(Dataset[torch.Tensor]):
+    """Samples 4 and 5 wait for ``release`` (both loading threads busy); the rest return."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started: set[int] = set()
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in (4, 5):
+            self.started.add(i)
+            self.release.wait(30)
+        return torch.tensor([i])
+
+
+def test_an_epoch_let_go_mid_batch_collates_no_batch_with_holes() -> None:
+    """Samples 6 and 7 never start: the batch is refused, not collated with None.
+
+    close() or a new iter() from another thread lets the epoch go while a batch loads. The
+    samples not started were given back as None: a TypeError from the collate, or a batch
+    holding None where the collate takes anything (22 of 60 rounds).
+    """
+    data = HeldAtFourAndFive()
+    pool = Pool(2, "nostall-load")
+    epoch = ThreadedEpoch(DataLoader(data, batch_size=4), pool, lambda: 0)
+    assert [[0], [1], [2], [3]] == next(epoch).tolist()
+    outcome: list[Any] = []
+
+    def second() -> None:
+        try:
+            outcome.append(next(epoch))
+        except Exception as e:
+            outcome.append(e)
+
+    loading = threading.Thread(target=second)
+    loading.start()
+    wait_until(lambda: data.started == {4, 5}, "samples 4 and 5 loading", timeout=30.0)
+    epoch.let_go()  # as close() does, from another thread
+    data.release.set()
+    loading.join(30)
+    assert not loading.is_alive()
+    assert 1 == len(outcome)
+    assert isinstance(outcome[0], nostall.PrefetcherClosedError), outcome
+    assert "while dataset[6] of its batch was to load" in str(outcome[0])

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .._exceptions import add_note
+from .._exceptions import PrefetcherClosedError, add_note
 from .._exit import ThreadLetGo
 from .._sources.generators import Trial
 from .._sources.global_draws import quiet_after_start
@@ -118,6 +118,10 @@ def sample_seed(base_seed: int, batch: int, within: int) -> int:
     mixed &= 2**64 - 1
     mixed ^= mixed >> 31
     return mixed & (2**63 - 1)
+
+
+class _Dropped(Exception):
+    """A sample not loaded: its epoch was dropped (see :meth:`ThreadedEpoch.let_go`) first."""
 
 
 class _Batch:
@@ -237,6 +241,13 @@ class ThreadedEpoch(Iterator[Any]):
             return future.result()
         except ThreadLetGo as e:  # its thread was let go (stuck): never this thread's own exit
             raise RuntimeError(f"{getattr(future, 'sample', 'a sample')} was let go") from e
+        except _Dropped:
+            # Never a batch with a hole in it (collated with None, or a TypeError from the
+            # collate): the epoch was stopped by close() or a new iter(), from another thread.
+            raise PrefetcherClosedError(
+                f"this epoch was stopped (the Prefetcher was closed, or a new iter() began) "
+                f"while {getattr(future, 'sample', 'a sample')} of its batch was to load"
+            ) from None
 
     def _wait(self, future: Future[Any]) -> None:
         """Wait for ``future`` in slices (an exit interrupt gets through).
@@ -378,7 +389,7 @@ class ThreadedEpoch(Iterator[Any]):
 
         def task(worker: int) -> Any:
             if dropped.is_set():
-                return None  # nobody will take it
+                raise _Dropped  # nobody should take it; one who does learns why (_result)
             rng = SampleRng(seed)
             with loading_thread_info(
                 worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng
