@@ -423,3 +423,65 @@ def test_a_batch_sampler_without_a_sampler_attribute_is_looked_past() -> None:
         assert orders(loader, 2) == orders(batches, 2)
     batches.close()
     assert [] == [str(w.message) for w in caught if "set_epoch() was not called" in str(w.message)]
+
+
+def _said_same_epoch(run: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "set_epoch() was not called" in str(w.message)]
+
+
+def test_a_batch_peeked_before_training_is_not_taken_for_an_epoch() -> None:
+    """next(iter(p)) to look at a batch, then set_epoch before each epoch: nothing to say."""
+    batches = nostall.prefetch(distributed())
+
+    def run() -> None:
+        next(iter(batches))
+        orders(batches, 3, set_epoch=True)
+
+    assert [] == _said_same_epoch(run)
+    batches.close()
+
+
+def test_a_state_loaded_again_in_the_same_run_is_not_taken_for_a_repeat() -> None:
+    """Saved at an epoch's end and loaded back (a rollback): the epochs before are forgotten."""
+    batches = nostall.prefetch(distributed())
+
+    def run() -> None:
+        for epoch in range(3):
+            batches.set_epoch(epoch)
+            for _ in batches:
+                pass
+            if epoch == 1:
+                batches.load_state_dict(batches.state_dict())
+
+    assert [] == _said_same_epoch(run)
+    batches.close()
+
+
+class SetsTheEpochLazily(DataLoader[int]):
+    """Sets its sampler's epoch at the first next() (a generator __iter__, as accelerate's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epochs_started = 0
+
+    def __iter__(self) -> Any:
+        time.sleep(0.05)  # later than the loop's open: the producer runs this
+        sampler = self.sampler
+        assert isinstance(sampler, DistributedSampler)
+        sampler.set_epoch(self.epochs_started)
+        self.epochs_started += 1
+        yield from super().__iter__()
+
+
+def test_a_loader_that_sets_its_epoch_at_its_first_batch_is_not_warned_of() -> None:
+    """The epoch is read as the order was drawn, not as the epoch was opened."""
+    sampler: DistributedSampler[int] = DistributedSampler(Counted(), num_replicas=1, rank=0, seed=0)
+    loader = SetsTheEpochLazily(Counted(), batch_size=5, sampler=sampler)
+    batches = nostall.prefetch(loader)
+    seen: list[list[int]] = []
+    assert [] == _said_same_epoch(lambda: seen.extend(orders(batches, 3)))
+    batches.close()
+    assert seen[0] != seen[1]  # it did shuffle each epoch anew

@@ -246,3 +246,14 @@ def test_a_batch_over_the_limit_or_from_the_producer_goes_through_the_copy_strea
     assert staging.stage(small).ready is not None  # outside a consumer's pull: the producer's way
     torch.cuda.synchronize()
     assert sim.hazards == []
+
+
+def test_without_pinning_a_small_pull_keeps_the_copy_stream(sim: Simulation) -> None:
+    """pin_memory=False: a pageable copy on the consumer's stream would wait for its kernels."""
+    staging = CudaStaging(torch.device("cuda", 0), False)
+    with staging.pull_context():
+        staged = staging.stage((torch.zeros(4), torch.zeros(1)))
+    assert staged.ready is not None
+    staging.hand_out(staged)
+    torch.cuda.synchronize()
+    assert [] == [h for h in sim.hazards if h.kind.name != "HOST_SYNC"]

@@ -381,3 +381,16 @@ def test_a_timeout_keeps_the_slow_workers_turn() -> None:
                 got.append("timeout" if "timed out" in str(error) else repr(error))
                 release.set()
     assert got == [[0, 1], [0, 1], [2, 3], "timeout", [2, 3]]
+
+
+def test_a_stream_state_at_an_epoch_start_resumes_with_any_reader_count() -> None:
+    """Saved after a whole epoch: nothing of the next is skipped, so any count resumes it."""
+    dataset = Shards([9, 2, 7, 5])
+    with nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu") as p:
+        list(p)
+        state = p.state_dict()
+    assert (1, 0) == (state["epoch"], state["batches_yielded"])
+    with nostall.prefetch(DataLoader(dataset, batch_size=2), "cpu", threads=2) as q:
+        q.load_state_dict(state)  # not refused
+        items = sorted(tuple(row[:2]) for batch in q for row in batch.tolist())
+    assert sorted((shard, i) for shard, n in enumerate([9, 2, 7, 5]) for i in range(n)) == items

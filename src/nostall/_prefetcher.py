@@ -378,6 +378,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             active._stop("load_state_dict() was called on the Prefetcher")
         transform = state.get("transform") is not None and self._staging.transform is not None
         lineage.loaded(at, state, transform)  # checked by loaded_position
+        epochs.same_epoch.reset()  # the epochs before this state are not this run's
 
     def close(self) -> None:
         """Stop the current iteration and its producer thread; idempotent.

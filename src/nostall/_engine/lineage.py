@@ -183,6 +183,7 @@ class Lineage:
         self._at = self._at.after(epoch + 1, 0, state)
         follow = epochs.across_epochs and not puller.finished
         puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
+        epochs.ended_here(puller.marks.get(epoch))
         epochs.note_marks()
         if epochs.kind.one_shot:
             self._exhausted = True

@@ -201,12 +201,16 @@ class EpochSource:
         return epoch_marks(self.source)
 
     def opened_here(self) -> None:
-        """The consumer opened an epoch (its sampler's epoch is now the one it draws with).
+        """The consumer opened an epoch: say what the epochs before it showed, if anything.
 
         Called once the epoch is under way (its marks noted, its producer started): the
         warning it may raise, made an error, loses nothing.
         """
-        self.same_epoch.opened(self.kind, self.across_epochs)
+        self.same_epoch.opened()
+
+    def ended_here(self, marks: object) -> None:
+        """The consumer took an epoch's end; ``marks``: its order's epoch marks (or STALE)."""
+        self.same_epoch.ended(self.kind, self.across_epochs, marks)
 
     def note_marks(self) -> None:
         """nostall set (or saw) the sampler's epoch: its marks now are not someone else's."""

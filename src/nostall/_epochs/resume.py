@@ -233,7 +233,8 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"the state was saved for samplers {replay.get('samplers')}, this source has "
             f"{here['samplers']}; resume with an identically built loader"
         )
-    _check_readers(replay, epochs)
+    if state["batches_yielded"] > 0 or replay.get("end_of") is not None:
+        _check_readers(replay, epochs)  # from an epoch's start nothing is skipped: any count
     _check_replay(replay, "state['replay']")
     return state
 

@@ -170,21 +170,29 @@ def warn_drawn_ahead(kind: SourceKind) -> None:
 
 
 class SameEpochWatch:
-    """Warns once when a shuffling ``DistributedSampler`` starts an epoch at the last one's epoch.
+    """Warns once when a shuffling ``DistributedSampler`` drew two epochs at one epoch number.
 
     Its order is drawn from its seed and its ``epoch`` alone: where nobody calls ``set_epoch``
     between epochs, every epoch repeats the first one's order, with or without nostall (a
-    plain ``DataLoader`` does the same, silently). Asked as each epoch opens in the loop's
-    thread, after the source's own ``iter()`` (Fabric's and accelerate's set the epoch there);
-    not where nostall counts the epochs itself (``across_epochs=True``).
+    plain ``DataLoader`` does the same, silently).
+
+    Invariants:
+        * Only epochs that ran to their end are compared (a batch peeked before training, or
+          an epoch broken off, is not one), each by the sampler's epoch marks as its order
+          was drawn (:meth:`ended`: after a ``set_epoch`` made lazily at the first ``next()``
+          of a framework's loader, too). ``load_state_dict`` forgets them (:meth:`reset`).
+        * The warning is raised as the next epoch opens, once it is under way (:meth:`opened`):
+          raised as an error, it loses no batch and no epoch's end.
+        * Not where nostall counts the epochs itself (``across_epochs=True``).
     """
 
     def __init__(self) -> None:
-        self._last: int | None = None
+        self._last: object = None
+        self._due: tuple[str, int] | None = None
         self._warned = False
 
-    def opened(self, kind: SourceKind, across_epochs: bool) -> None:
-        """An epoch was opened over ``kind``'s source (with its sampler's epoch as it is now)."""
+    def ended(self, kind: SourceKind, across_epochs: bool, marks: object) -> None:
+        """An epoch's end was handed out; ``marks``: the epoch marks its order was drawn with."""
         if self._warned or across_epochs or kind.loader is None:
             return
         sampler = kind.loader.sampler
@@ -193,15 +201,27 @@ class SameEpochWatch:
             sampler = getattr(kind.loader.batch_sampler, "sampler", sampler)
         if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
             return
-        epoch, self._last = self._last, sampler.epoch
-        if epoch != sampler.epoch:
+        if not isinstance(marks, tuple):  # not drawn, or its marks moved while it was drawn
+            self._last = None
             return
-        self._warned = True
+        if marks == self._last:
+            self._due = (describe(kind.source), sampler.epoch)
+        self._last = marks
+
+    def reset(self) -> None:
+        """A state was loaded: the epochs before it are not this run's to compare."""
+        self._last, self._due = None, None
+
+    def opened(self) -> None:
+        """An epoch opened and is under way: say what the last two ended epochs showed."""
+        if self._due is None or self._warned:
+            return
+        (source, epoch), self._due, self._warned = self._due, None, True
         warn(
-            f"nostall: the DistributedSampler of {describe(kind.source)} starts this epoch at "
-            f"epoch {epoch}, as it started the last one: set_epoch() was not called between "
-            f"them, so this epoch shuffles in the same order as the last (a plain DataLoader "
-            f"would too). Call prefetcher.set_epoch(epoch) (or loader.sampler.set_epoch(epoch)) "
-            f"before each epoch, or pass across_epochs=True to let nostall count the epochs",
+            f"nostall: the DistributedSampler of {source} drew the last two epochs' orders at "
+            f"the same epoch ({epoch}): set_epoch() was not called between them, so they "
+            f"shuffled in the same order, and so will this one (a plain DataLoader would too). "
+            f"Call prefetcher.set_epoch(epoch) (or loader.sampler.set_epoch(epoch)) before "
+            f"each epoch, or pass across_epochs=True to let nostall count the epochs",
             UserWarning,
         )

@@ -55,7 +55,8 @@ class CudaStaging(Staging):
           or pageable copies) unless the user turned pinning off or a batch object cannot pin.
         * No batch is handed out while the consumer's stream captures a CUDA graph.
         * A small common batch the consumer pulls itself (at most ``HERE_BYTES``: a tuple or
-          list of host tensors, no transform) is copied on the consumer's own current stream,
+          list of host tensors, no transform, pinning on: a pageable copy on the consumer's
+          stream would wait for its queued kernels) is copied on the consumer's own current stream,
           as a plain ``.to()`` loop copies it: in stream order before the consumer's next
           kernels and allocated on that stream, so it needs no event, no wait and no
           ``record_stream``, which cost more host time than such a copy takes on the GPU. It
@@ -194,7 +195,7 @@ class CudaStaging(Staging):
             if type(t) is not torch.Tensor or not t.is_cpu or t.layout != torch.strided:
                 return None
             size += t.nbytes
-        if size <= self.HERE_BYTES and getattr(self._known, "here", False):
+        if size <= self.HERE_BYTES and self.pin and getattr(self._known, "here", False):
             return self._stage_here(batch)
         self._after_source([])  # no device tensors: no wait (kept for its canary)
         device, pin, copies = self.device, self.pin, []
