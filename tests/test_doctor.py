@@ -428,8 +428,8 @@ def test_a_configuration_error_is_one_line_and_status_two(
 @pytest.mark.parametrize(
     ("device", "message"),
     [
-        ("nonsense", "device='nonsense' does not name a device"),
-        ("meta", "device='meta' holds no data"),
+        ("nonsense", "--device nonsense does not name a device"),
+        ("meta", "--device meta holds no data"),
     ],
 )
 def test_a_bad_device_is_a_usage_error(

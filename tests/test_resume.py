@@ -142,7 +142,7 @@ def test_a_transform_state_for_a_transform_without_load_state_dict_is_refused() 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"nostall": 99}, "not a nostall Prefetcher state"),
+        ({"nostall": 99}, "not a nostall Prefetcher state.*got a dict whose 'nostall' is 99"),
         ({"epoch": -1}, r"state\['epoch'\] must be an int >= 0"),
         ({"batches_yielded": True}, r"state\['batches_yielded'\] must be an int >= 0"),
         ({"batches_yielded": 6}, "past the end of an epoch of 5 batches"),
@@ -239,3 +239,11 @@ def test_a_stateful_dataloaders_state_for_other_workers_is_refused() -> None:
     here = stateful_epochs(num_workers=2)
     with pytest.raises(ValueError, match="num_workers=0, and this one has num_workers=2"):
         check_state({**saved, "batches_yielded": 1}, here)
+
+
+def test_a_foreign_dict_is_refused_by_what_it_lacks() -> None:
+    """Not "expected a dict ... got a dict": the message says what the dict lacks."""
+    with pytest.raises(
+        ValueError, match=r"got a dict without a 'nostall' key \(its keys: 'model', 'optimizer'\)"
+    ):
+        check_state({"model": 1, "optimizer": 2}, epochs_of())

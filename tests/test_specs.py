@@ -40,13 +40,16 @@ def test_a_spec_loads_the_function(module: str) -> None:
         ("no_colon", "must be MODULE:FUNCTION"),
         (".relative:make", "must be MODULE:FUNCTION with an absolute module name"),
         ("nope_no_such_module:missing", "cannot import module 'nope_no_such_module'"),
-        ("{m}:missing", "has no attribute 'missing' for factory"),
+        ("{m}:missing", "has no attribute 'missing' for factory$"),
+        ("{m}:mak", r"has no attribute 'mak' for factory; did you mean {m}:make\?"),
+        ("{m}.py:make", r"name the module, not its file: {m}:make"),
+        ("src/{m}.py:make", r"name the module, not its file: src.{m}:make"),
         ("{m}:CONSTANT", "is an int, not a function; factory must be callable"),
     ],
 )
 def test_a_bad_spec_is_a_configuration_error(module: str, spec: str, message: str) -> None:
     """A bad spec is a ConfigurationError, still a ValueError for Python callers."""
-    with pytest.raises(ConfigurationError, match=message):
+    with pytest.raises(ConfigurationError, match=message.format(m=module)):
         load_callable(spec.format(m=module), "factory")
     assert issubclass(ConfigurationError, ValueError)
 

@@ -185,9 +185,18 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
     field it checked, the value received, and what to pass.
     """
     if not isinstance(state, dict) or state.get("nostall") != STATE_VERSION:
+        if isinstance(state, dict):
+            keys = ", ".join(repr(k) for k in list(state)[:6]) or "none"
+            got = (
+                f"a dict whose 'nostall' is {state['nostall']!r}"
+                if "nostall" in state
+                else f"a dict without a 'nostall' key (its keys: {keys})"
+            )
+        else:
+            got = kind(state)
         raise ValueError(
             f"not a nostall Prefetcher state (expected a dict from Prefetcher.state_dict() with "
-            f"'nostall': {STATE_VERSION}; got {kind(state)})"
+            f"'nostall': {STATE_VERSION}; got {got})"
         )
     for key in ("epoch", "batches_yielded"):
         _check_count(state.get(key), f"state[{key!r}]")

@@ -224,12 +224,17 @@ def _device(device: str | None) -> torch.device:
     Resolved here, at the command line, rather than where the library resolves it again: a
     device error raised later (by the user's own code, say) is not the user's ``--device``.
     """
+    import re
+
     from .._device import resolve_data_device
 
     try:
         return resolve_data_device(device)
     except (TypeError, ValueError, DeviceUnavailableError) as e:
-        raise ConfigurationError(str(e)) from e
+        # The library's words name its argument (device='cuda:1'); here the flag was typed.
+        said = re.sub(r"device='([^']*)'", r"--device \1", str(e))
+        said = said.replace("device=None to pick the best one", "no --device to pick the best one")
+        raise ConfigurationError(said) from e
 
 
 def _devices(args: argparse.Namespace) -> int:

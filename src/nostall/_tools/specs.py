@@ -6,6 +6,7 @@ the user's code raises while it runs is theirs, and keeps its traceback.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -44,19 +45,31 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     except ModuleNotFoundError as e:
         if not _is_the_spec(e.name, module_name):
             raise  # the module exists; one of its own imports failed, in the user's code
-        raise ConfigurationError(f"cannot import module {module_name!r} for {what}: {e}") from e
+        raise ConfigurationError(
+            f"cannot import module {module_name!r} for {what}: {e}{_module_hint(module_name, name)}"
+        ) from e
     try:
         target = getattr(module, name)
     except AttributeError:
+        close = difflib.get_close_matches(name, [n for n in dir(module) if not n.startswith("_")])
+        hint = f"; did you mean {module_name}:{close[0]}?" if close else ""
         raise ConfigurationError(
             f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute "
-            f"{name!r} for {what}"
+            f"{name!r} for {what}{hint}"
         ) from None
     if not callable(target):
         raise ConfigurationError(
             f"{spec} is {kind(target)}, not a function; {what} must be callable"
         )
     return target  # type: ignore[no-any-return]
+
+
+def _module_hint(module_name: str, name: str) -> str:
+    """The fix for a module named as a file (``common.py``, ``src/train``), else ''."""
+    dotted = module_name.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
+    if dotted == module_name:
+        return ""
+    return f"; name the module, not its file: {dotted}:{name}"
 
 
 def _is_the_spec(missing: str | None, module_name: str) -> bool:
