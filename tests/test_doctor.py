@@ -554,6 +554,7 @@ def test_a_dataset_bound_to_its_thread_is_one_line_and_status_two(
     [
         ("--json", "{tmp}/no/such/folder/d.json", "does not exist"),
         ("--html", "{tmp}", "is a folder"),
+        ("--json", "", "--json was given an empty path, so nothing would be written"),
         pytest.param(
             "--json",
             "/dev/full",

@@ -247,3 +247,12 @@ def test_a_foreign_dict_is_refused_by_what_it_lacks() -> None:
         ValueError, match=r"got a dict without a 'nostall' key \(its keys: 'model', 'optimizer'\)"
     ):
         check_state({"model": 1, "optimizer": 2}, epochs_of())
+
+
+def test_a_length_of_another_type_is_refused_by_its_type() -> None:
+    """Not "saved for a source of 5 batches, this one has 5": the type is what is wrong."""
+    epochs = epochs_of()
+    state = state_of(Position.start(0, None), epochs)
+    state["replay"]["length"] = str(state["replay"]["length"])
+    with pytest.raises(ValueError, match=r"state\['replay'\]\['length'\] must be an int or None"):
+        check_state(state, epochs)

@@ -231,7 +231,13 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
             f"({received(replay)}); pass a state from Prefetcher.state_dict()"
         )
     here = describe_order(epochs.source)
-    if replay.get("length") != here["length"]:
+    length = replay.get("length")
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool)):
+        raise ValueError(
+            f"state['replay']['length'] must be an int or None ({received(length)}); the "
+            f"checkpoint is damaged or not from Prefetcher.state_dict()"
+        )
+    if length != here["length"]:
         raise ValueError(
             f"the state was saved for a source of {replay.get('length')} batches, this one has "
             f"{here['length']}; resume with an identically built loader (same dataset, batch "

@@ -35,10 +35,16 @@ def check_output(path: str | None, flag: str) -> None:
     A disk with only a little room left can still fill up before the report is written.
 
     Raises:
-        ConfigurationError: its folder does not exist, it is a folder, or writing it fails.
+        ConfigurationError: the path is empty (``--json ""``: a script's unset variable), its
+            folder does not exist, it is a folder, or writing it fails.
     """
-    if not path:
+    if path is None:
         return
+    if not path.strip():
+        raise ConfigurationError(
+            f"{flag} was given an empty path, so nothing would be written; pass a file name "
+            f"(e.g. {flag} out/figures.{'png' if 'plot' in flag else 'json'}) or leave {flag} out"
+        )
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
