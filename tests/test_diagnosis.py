@@ -219,7 +219,7 @@ def test_the_summary_says_the_load_it_was_measured_under() -> None:
     assert "input-bound" == diagnosis.bound
     diagnosis.load_average = 5.2  # loading 100-120 against the step's 900: apart at any load
     assert diagnosis.summary().startswith("input-bound: ")
-    assert "so the verdict (input-bound) stands" in diagnosis.summary()
+    assert "so the verdict (input-bound) holds under this load" in diagnosis.summary()
     assert (5.2, 2) == (diagnosis.to_dict()["load_average"], diagnosis.to_dict()["cores"])
     diagnosis.step_rate = Measured((105.0, 112.0, 118.0))  # within loading's spread
     assert diagnosis.summary().startswith("too busy to judge: ")

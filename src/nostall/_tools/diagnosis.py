@@ -153,7 +153,8 @@ class Diagnosis:
             return line + (
                 " More processes wanted the cores than there are, so every figure moves with "
                 "them; but every run of loading alone fell apart from every run of the step "
-                f"alone, so the verdict ({verdict}) stands."
+                f"alone, so the verdict ({verdict}) holds under this load (which may slow "
+                "loading more than the step: on a quieter machine the gap may be smaller)."
             )
         return line + " More processes wanted the cores than there are: the figures move."
 
