@@ -519,3 +519,18 @@ class HiddenEpoch(torch.utils.data.Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         self._e = epoch
+
+
+class OneBadSample(torch.utils.data.Dataset[int]):
+    """``length`` samples (40 by default); sample 6 raises every time, as a corrupt file."""
+
+    def __init__(self, length: int = 40) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> int:
+        if i == 6:
+            raise ValueError("sample 6 is corrupt")
+        return i

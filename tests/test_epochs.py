@@ -12,6 +12,7 @@ import torch
 from helpers import (
     CountingSource,
     HiddenEpoch,
+    OneBadSample,
     as_dataset,
     nostall_threads,
     settle,
@@ -1027,18 +1028,6 @@ def test_a_state_past_an_estimated_len_is_loaded() -> None:
 # -- a checkpoint saved just before a batch that raises -------------------------------------------
 
 
-class RaisesAtSix(Dataset[int]):
-    """Twelve samples; sample 6 raises, every time (a corrupt file)."""
-
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, i: int) -> int:
-        if i == 6:
-            raise ValueError("sample 6 is corrupt")
-        return i
-
-
 class StreamRaisingAtSix(IterableDataset[int]):
     """The same as a stream: its iterator raises at 6 and goes on after it."""
 
@@ -1087,7 +1076,7 @@ def test_a_state_saved_just_before_a_batch_that_raises_resumes_everything_after_
     """The resumed epoch raises that batch's error, then gives the rest, as uninterrupted."""
 
     def make() -> Any:
-        dataset = StreamRaisingAtSix() if mode == "stream" else RaisesAtSix()
+        dataset = StreamRaisingAtSix() if mode == "stream" else OneBadSample(12)
         loader = DataLoader(dataset, batch_size=2)
         threads = 2 if mode == "threads" else None
         return nostall.prefetch(

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
+    OneBadSample,
     SleepingSource,
     as_dataset,
     refused_thread_starts,
@@ -110,18 +111,6 @@ def test_a_fixed_depth_is_the_current_depth() -> None:
     for _ in prefetcher:
         pass
     assert prefetcher.current_depth == 3
-
-
-class OneBadSample(torch.utils.data.Dataset[int]):
-    """Sample 6 fails (the fourth batch of two); 40 samples in all."""
-
-    def __len__(self) -> int:
-        return 40
-
-    def __getitem__(self, i: int) -> int:
-        if i == 6:
-            raise ValueError("sample 6 is corrupt")
-        return i
 
 
 def test_a_producer_paused_at_an_error_stays_paused_until_the_error_is_taken() -> None:

@@ -139,6 +139,15 @@ def opened_ahead(batches: nostall.Prefetcher[Any]) -> None:
     wait_until(opening, "the producer to open the next epoch ahead")
 
 
+def two_epochs_opened_ahead(batches: nostall.Prefetcher[Any]) -> None:
+    """Two epochs, the second opened ahead while the loop's own code runs after the first."""
+    for epoch in range(2):
+        for _ in batches:  # <- warns in the second: it was opened ahead
+            pass
+        if not epoch:
+            opened_ahead(batches)
+
+
 def test_an_epoch_opened_ahead_from_the_global_generator_is_warned_of() -> None:
     """across_epochs=True over an unseeded loader: warned at the loop's line, with the fix.
 
@@ -150,15 +159,8 @@ def test_an_epoch_opened_ahead_from_the_global_generator_is_warned_of() -> None:
         DataLoader(Counted(), batch_size=4, shuffle=True), across_epochs=True
     )
 
-    def two_epochs() -> None:
-        for epoch in range(2):
-            for _ in batches:  # <- warns: epoch 1 was opened ahead
-                pass
-            if not epoch:
-                opened_ahead(batches)  # while the loop's own code runs after the epoch
-
     with pytest.warns(UserWarning, match=r"generator=torch\.Generator\(\)") as caught:
-        two_epochs()
+        two_epochs_opened_ahead(batches)
     batches.close()
     ours = [w for w in caught if "opened this epoch ahead" in str(w.message)]
     assert [__file__] == [w.filename for w in ours]
@@ -310,15 +312,8 @@ def test_an_unseeded_subset_sampler_opened_ahead_is_warned_of() -> None:
     loader = DataLoader(Counted(), batch_size=2, sampler=sampler, generator=generator)
     batches = nostall.prefetch(loader, across_epochs=True)
 
-    def two_epochs() -> None:
-        for epoch in range(2):
-            for _ in batches:
-                pass
-            if not epoch:
-                opened_ahead(batches)
-
     with pytest.warns(UserWarning, match="opened this epoch ahead"):
-        two_epochs()
+        two_epochs_opened_ahead(batches)
     batches.close()
 
 
@@ -341,15 +336,8 @@ def test_a_distributed_sampler_opened_ahead_is_said_to_draw_only_the_base_seed()
         DataLoader(Counted(), batch_size=4, sampler=sampler), across_epochs=True
     )
 
-    def two_epochs() -> None:
-        for epoch in range(2):
-            for _ in batches:
-                pass
-            if not epoch:
-                opened_ahead(batches)
-
     with pytest.warns(UserWarning, match="opened this epoch ahead") as caught:
-        two_epochs()
+        two_epochs_opened_ahead(batches)
     batches.close()
     message = next(str(w.message) for w in caught if "opened this epoch ahead" in str(w.message))
     assert "drew its base seed (for its workers' seeds) from torch's" in message
