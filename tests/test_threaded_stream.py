@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,7 @@ from helpers import assert_same_batches, wait_for_no_nostall_threads
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import nostall
+from nostall._sources.global_draws import GlobalDrawsWarning
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,12 +99,63 @@ def test_each_thread_is_its_own_worker() -> None:
 
     batches = with_threads(Who(), 3, batch_size=5)
     assert {0, 1, 2} == set(seen)
-    # The first turns are loaded in the loop's thread while nostall checks that the dataset
-    # draws nothing from the global generators; the loading threads go on from there.
+    # One thread per worker for the whole epoch, also while nostall checks, at the first
+    # turns, that the dataset draws nothing from the global generators.
+    assert all(1 == len(names) for names in seen.values()), seen
     names = set().union(*seen.values())
-    assert any(name.startswith("nostall-load") for name in names), names
-    assert names <= {threading.main_thread().name} | {f"nostall-load-{i}" for i in range(3)}
+    assert {f"nostall-load-{i}" for i in range(3)} == names
     assert [b[0].item() // 100 for b in batches] == [0, 1, 2] * 4  # in turn
+
+
+class PerWorkerConnection(IterableDataset[torch.Tensor]):
+    """Opens a SQLite connection in ``__iter__``, which only the opening thread may use."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        connection = sqlite3.connect(":memory:")  # check_same_thread: True
+        try:
+            connection.execute("create table items (i integer)")
+            connection.executemany("insert into items values (?)", [(i,) for i in range(24)])
+            rows = connection.execute("select i from items order by i").fetchall()
+            for (i,) in rows[worker::workers]:
+                yield torch.tensor([i, connection.execute("select ?", (i,)).fetchone()[0]])
+        finally:
+            connection.close()
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["quiet", "draws"])
+def test_a_handle_opened_in_iter_stays_in_its_thread(draws: bool) -> None:
+    """Each worker's iterator is advanced in the thread that made it, in step or not."""
+    expected = with_processes(PerWorkerConnection(), 2, batch_size=3)
+    if not draws:
+        assert_same_batches(expected, with_threads(PerWorkerConnection(), 2, batch_size=3))
+        return
+    # A dataset that draws from the global generator keeps the workers in step all epoch:
+    # the same items, and the same draws run to run (a worker process draws from its own).
+    runs = []
+    for _ in range(2):
+        with pytest.warns(GlobalDrawsWarning):
+            runs.append(with_threads(DrawsToo(PerWorkerConnection()), 2, batch_size=3))
+    assert_same_batches(expected, [items for items, _ in runs[0]])
+    assert_same_batches(runs[0], runs[1])
+
+
+class DrawsToo(IterableDataset[Any]):
+    """Each item with a draw from torch's global generator, as a random augmentation makes."""
+
+    def __init__(self, inner: IterableDataset[torch.Tensor]) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.inner:
+            yield item, torch.rand(())
+
+
+def test_a_streams_batches_are_not_put_in_shared_memory() -> None:
+    """Threads need no shared memory: default_collate makes ordinary tensors, as in a loop."""
+    for batch in with_threads(Shards([4, 4, 4]), 2, batch_size=2):
+        assert not batch.is_shared()
 
 
 def test_set_epoch_reaches_the_dataset_before_its_workers_iterate() -> None:
@@ -394,3 +447,40 @@ def test_a_stream_state_at_an_epoch_start_resumes_with_any_reader_count() -> Non
         q.load_state_dict(state)  # not refused
         items = sorted(tuple(row[:2]) for batch in q for row in batch.tolist())
     assert sorted((shard, i) for shard, n in enumerate([9, 2, 7, 5]) for i in range(n)) == items
+
+
+class StuckOnce(IterableDataset[torch.Tensor]):
+    """Worker 1 blocks at its third item while ``block`` is set (until ``release``)."""
+
+    def __init__(self) -> None:
+        self.block = True
+        self.release = threading.Event()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        assert info is not None
+        for i in range(4):
+            if self.block and info.id == 1 and i == 2:
+                self.release.wait(60)
+            yield torch.tensor([info.id, i])
+
+
+def test_after_a_worker_stuck_for_good_the_next_epoch_completes() -> None:
+    """A timeout, a break, then a whole epoch: the stuck thread no longer holds its place."""
+    dataset = StuckOnce()
+    p = nostall.prefetch(DataLoader(dataset, batch_size=2, timeout=1.0), "cpu", threads=2)
+    try:
+        it = iter(p)
+        first = [next(it)[:, 1].tolist() for _ in range(3)]
+        assert [[0, 1], [0, 1], [2, 3]] == first
+        with pytest.raises(RuntimeError, match="timed out after 1 seconds: worker 1"):
+            next(it)
+        del it  # a break
+        dataset.block = False  # the next epoch's worker 1 returns; the old one is still stuck
+        second = list(p)
+        expected = list(DataLoader(dataset, batch_size=2, num_workers=2))
+        assert_same_batches(expected, second)
+    finally:
+        dataset.release.set()
+        p.close()
+    assert [] == wait_for_no_nostall_threads(timeout=30.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import warnings
 from typing import Any
 
@@ -646,64 +645,89 @@ def test_a_refused_loading_thread_leaves_the_running_ones_loading() -> None:
 
 
 class _StuckAt3(Dataset[int]):
-    """Sample 3 waits for ``release``; the others return at once."""
+    """Sample 3 waits for ``release`` while ``stuck``; the others return at once."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.stuck = True
 
     def __len__(self) -> int:
         return 8
 
     def __getitem__(self, i: int) -> int:
-        if i == 3:
+        if i == 3 and self.stuck:
             self.release.wait(60)
         return i
 
 
-def test_after_a_sample_times_out_the_queued_ones_still_load() -> None:
-    """threads=1, the loader's timeout=: the stuck sample's batch fails; the rest all load."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_timed_out_sample_keeps_its_batchs_turn(threads: int) -> None:
+    """The loader's timeout=: the slow sample's batch comes at the next next(), as torch's."""
     data = _StuckAt3()
     loader = DataLoader(data, batch_size=1, timeout=1)
     got: list[Any] = []
     with unwatched():
-        p = nostall.prefetch(loader, threads=1, depth=8, timeout=60)
+        p = nostall.prefetch(loader, threads=threads, depth=8, timeout=60)
     try:
-        it = iter(p)
-        for _ in range(8):
-            try:
-                got.append(int(next(it)))
-            except RuntimeError as e:
-                got.append(str(e).split(":")[0])
+        for _ in range(2):  # the batch waits again while the sample does
+            it, timeouts = iter(p), 0
+            while True:
+                try:
+                    got.append(int(next(it)))
+                except StopIteration:
+                    break
+                except RuntimeError as e:
+                    got.append(str(e).split(":")[0])
+                    timeouts += 1
+                    if timeouts == 2:
+                        data.release.set()  # a slow sample, not a stuck one
+            data.release.clear()
     finally:
         data.release.set()
         p.close()
-    assert [0, 1, 2, "DataLoader timed out after 1 seconds", 4, 5, 6, 7] == got
+    timed_out = "DataLoader timed out after 1 seconds"
+    epoch = [0, 1, 2, timed_out, timed_out, 3, 4, 5, 6, 7]
+    assert epoch + epoch == got
     wait_for_no_nostall_threads()
 
 
 class SlowFirst(Dataset[torch.Tensor]):
-    """Six samples; the first takes longer than the loader's timeout."""
+    """Six samples; the first waits for ``release``."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
 
     def __len__(self) -> int:
         return 6
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i == 0:
-            time.sleep(3.0)
+            self.release.wait(60)
         return torch.tensor([i])
 
 
 def test_a_slow_first_batch_under_a_loader_timeout_is_each_batch_once() -> None:
-    """Every batch once, in order, none failed for another's sample.
+    """The timeout covers the first batch too, which then comes; every batch once, in order.
 
     An unjudged source's first batch is not fetched on trial under a loader ``timeout=`` (a
-    trial awaits all its samples, and raised the timeout for another batch, which then came
-    twice): it is loaded in the pulling thread, as ``num_workers=0`` loads, with no timeout.
+    trial awaits all its samples, and would raise the timeout for another batch): its samples
+    are loaded one at a time, each in a loading thread, the timeout bounding each wait.
     """
-    loader = DataLoader(SlowFirst(), batch_size=1, timeout=1.5)
+    data = SlowFirst()
+    loader = DataLoader(data, batch_size=1, timeout=1.5)
+    got: list[Any] = []
     with nostall.prefetch(loader, threads=4) as batches:
-        got = [int(b) for b in batches]
-    assert [0, 1, 2, 3, 4, 5] == got
+        it = iter(batches)
+        while True:
+            try:
+                got.append(int(next(it)))
+            except StopIteration:
+                break
+            except RuntimeError as e:
+                got.append(str(e).split(" at ")[0])
+                data.release.set()
+    timed_out = "DataLoader timed out after 1.5 seconds: dataset[0] in 'nostall-load-0'"
+    assert [timed_out, 0, 1, 2, 3, 4, 5] == got
 
 
 class HeldAtFourAndFive(Dataset[torch.Tensor]):
@@ -752,3 +776,23 @@ def test_an_epoch_let_go_mid_batch_collates_no_batch_with_holes() -> None:
     assert 1 == len(outcome)
     assert isinstance(outcome[0], nostall.PrefetcherClosedError), outcome
     assert "while dataset[6] of its batch was to load" in str(outcome[0])
+
+
+def test_after_a_sample_stuck_for_good_the_next_epoch_completes() -> None:
+    """A timeout, a break, then a whole epoch: the stuck thread no longer holds its place."""
+    data = _StuckAt3()
+    loader = DataLoader(data, batch_size=2, timeout=1)
+    with unwatched():
+        p = nostall.prefetch(loader, threads=2, timeout=60)
+    try:
+        it = iter(p)
+        assert [0, 1] == next(it).tolist()
+        with pytest.raises(RuntimeError, match=r"timed out after 1 seconds: dataset\[3\]"):
+            next(it)
+        del it  # a break
+        data.stuck = False  # the next epoch's sample 3 returns; the old one is still stuck
+        assert [[0, 1], [2, 3], [4, 5], [6, 7]] == [b.tolist() for b in p]
+    finally:
+        data.release.set()
+        p.close()
+    wait_for_no_nostall_threads()

@@ -46,6 +46,11 @@ class Pool:
           stopped counting it (after its task returns). An abandoned thread's id is free at
           once: a new thread may hold it while the abandoned one still runs.
         * ``running`` maps the future of each task being run to its thread and worker id.
+        * A task submitted with its epoch's ``dropped`` event, still running once that event
+          is set and its thread's slot is wanted (every slot held when a task is submitted),
+          is abandoned: a dropped epoch's thread stuck in a sample (a stream's ``__next__``
+          that never returns) cannot hold the next epoch's place, as a DataLoader's new epoch
+          does not wait for its old workers.
 
     Threads are daemons named ``{name}-{worker id}``, tracked by :mod:`nostall._exit` (an
     interpreter exit waits for them). Every task runs inside ``context()`` (on CUDA the
@@ -71,16 +76,34 @@ class Pool:
         self.running: dict[Future[Any], tuple[threading.Thread, int, float]] = {}
         #: Threads :meth:`abandon` stopped counting: each ends once its task returns.
         self.abandoned: set[threading.Thread] = set()
+        #: The epoch's ``dropped`` event of each task submitted with one, until it ends.
+        self.epoch_of: dict[Future[Any], threading.Event] = {}
 
-    def submit(self, task: Callable[[int], Any], future: Future[Any] | None = None) -> Future[Any]:
-        """Queue ``task(worker_id)``; return its future (``future``, or a new one)."""
+    def submit(
+        self,
+        task: Callable[[int], Any],
+        future: Future[Any] | None = None,
+        *,
+        dropped: threading.Event | None = None,
+    ) -> Future[Any]:
+        """Queue ``task(worker_id)``; return its future (``future``, or a new one).
+
+        ``dropped``: the event set when the task's epoch is let go (see the invariants).
+        """
         future = Future() if future is None else future
         with self.lock:
             self.tasks.append((future, task))
+            if dropped is not None:
+                self.epoch_of[future] = dropped
             if self.live < self.size:
                 self._start_thread(future)
-            else:
-                self.work.notify()
+                return future
+            self.work.notify()
+            # Only when every slot is held: a dropped epoch's merely slow task, finishing
+            # while nothing waits for its place, is not interrupted.
+            stale = [f for f in self.running if f in self.epoch_of and self.epoch_of[f].is_set()]
+        for each in stale:
+            self.abandon(each)
         return future
 
     def in_flight(self) -> int:
@@ -124,6 +147,7 @@ class Pool:
                 )
             return
         self.tasks.pop()  # the task just queued: no thread will run it
+        self.epoch_of.pop(future, None)
         add_note(error, f"nostall: raised starting loading thread {name!r}")
         future.set_exception(error)
 
@@ -157,6 +181,7 @@ class Pool:
                     future.set_exception(e)
             with self.lock:
                 self.running.pop(future, None)
+                self.epoch_of.pop(future, None)
 
     def abandon(
         self, future: Future[Any] | None = None, *, running_for: float = 0.0

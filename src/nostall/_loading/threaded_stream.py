@@ -16,10 +16,16 @@ Invariants:
     * An epoch draws from the global generator what the loader's ``iter()`` draws: its base
       seed, from ``loader.generator``. Worker w's generators (``torch.thread_safe_generator()``,
       ``get_worker_info().rng``) are seeded ``base_seed + w``, as torch seeds worker w.
-    * While ``inline()`` (a dataset that may draw from the global generators, see
-      :mod:`nostall._sources.global_draws`) the consumer's thread advances each worker's iterator in
-      turn itself, so that such draws keep the plain loop's order; the threads start only once
-      it is False (for the rest of the epoch, each worker's iterator goes on in its thread).
+    * Each worker's iterator is made and advanced in one thread, its own, for the whole
+      epoch (as in a worker process), so that a handle opened in ``__iter__`` (a database
+      connection, a file) stays in the thread that opened it.
+    * While ``inline()`` at the epoch's first batch (a dataset that may draw from the global
+      generators, see :mod:`nostall._sources.global_draws`), the workers go **in step**: the
+      consumer lets one worker make one batch and waits for it, in turn, so that such draws
+      keep the plain loop's order; once ``inline()`` is False they run freely.
+    * Batches are collated outside the worker's ``get_worker_info()``, as a map-style epoch's
+      are: ``default_collate`` would put a batch made in a worker into shared memory (a file
+      descriptor each), which a thread does not need.
     * Each worker's thread keeps at most one finished batch waiting (and one being made): what
       the epoch holds ahead is at most 2N batches.
     * An error in a worker's iterator is raised at that worker's turn, as the same exception
@@ -99,6 +105,11 @@ class _Worker:
         #: Batches the worker's thread made and the consumer has not taken (at most one).
         self.ready: queue.Queue[tuple[_Turn, Any]] = queue.Queue(maxsize=1)
         self.thread: Future[Any] | None = None
+        #: In step: the thread makes a batch only when granted one (``go``).
+        self.stepped = False
+        self.go = threading.Semaphore(0)
+        #: A grant not yet used for a batch the consumer took (set and read by the consumer).
+        self.granted = False
 
 
 class ThreadedStream(Iterator[Any]):
@@ -123,6 +134,7 @@ class ThreadedStream(Iterator[Any]):
         #: The loader's own ``timeout`` (seconds a batch may take), as its workers apply it.
         self.timeout = float(loader.timeout) if loader.timeout else None
         self.started = False
+        self.stepped = False  # the workers go in step (see the invariants)
         self.dropped = threading.Event()  # the epoch was let go: the threads stop
         weakref.finalize(self, self.dropped.set)
 
@@ -135,11 +147,15 @@ class ThreadedStream(Iterator[Any]):
             if worker.ended and worker.ready.empty():
                 self._next_turn()
                 continue  # its iterator ended at an earlier turn: skipped, as torch skips it
-            if self.inline() and not self.started:
-                kind, payload = self.fetcher.fetch(worker)
-            else:
-                self._start()
-                kind, payload = self._take(worker)  # a timeout raised here keeps the turn
+            if not self.started:
+                self._start(stepped=self.inline())
+            elif self.stepped and not self.inline():
+                self._free()
+            if self.stepped and not worker.granted:
+                worker.granted = True
+                worker.go.release()
+            kind, payload = self._take(worker)  # a timeout raised here keeps the turn
+            worker.granted = False
             self._next_turn()
             if kind is _Turn.END:
                 continue
@@ -162,15 +178,21 @@ class ThreadedStream(Iterator[Any]):
         """
         self.dropped.set()
 
-    def _start(self) -> None:
-        """Start one long task per worker on the pool (once; each goes on from where it is)."""
-        if self.started:
-            return
-        self.started = True
+    def _start(self, *, stepped: bool) -> None:
+        """Start one long task per worker on the pool, in step or free (once per epoch)."""
+        self.started, self.stepped = True, stepped
         fetch, dropped = self.fetcher.fetch, self.dropped  # not self: see _Fetcher
         for worker in self.workers:
+            worker.stepped = stepped
             if not worker.ended:
-                worker.thread = self.pool.submit(_task(fetch, worker, dropped))
+                worker.thread = self.pool.submit(_task(fetch, worker, dropped), dropped=dropped)
+
+    def _free(self) -> None:
+        """The workers leave the step and run freely (once): each waiting one is woken."""
+        self.stepped = False
+        for worker in self.workers:
+            worker.stepped = False
+            worker.go.release()
 
     def _take(self, worker: _Worker) -> tuple[_Turn, Any]:
         """Worker ``worker``'s next message, waited for in slices (an exit interrupt gets in)."""
@@ -215,46 +237,43 @@ class _Fetcher:
 
     def fetch(self, worker: _Worker) -> tuple[_Turn, Any]:
         """Make worker ``worker``'s next batch in this thread, as torch's fetcher makes it."""
-        with (
-            worker.lock,
-            loading_thread_info(
-                worker=worker.index,
-                workers=self.workers,
-                seed=worker.seed,
-                dataset=self.dataset,
-                rng=worker.rng,
-            ),
-        ):
+        with worker.lock:
             if worker.ended or worker.exhausted:
                 worker.ended = True
                 return _Turn.END, None
             try:
-                if worker.iterator is None:
-                    worker.iterator = iter(self.dataset)
-                batch = self.next_items(worker, worker.iterator)
-                if batch is not _END:
-                    # Asked before the batch is collated: default_collate asks too.
+                try:
+                    with loading_thread_info(
+                        worker=worker.index,
+                        workers=self.workers,
+                        seed=worker.seed,
+                        dataset=self.dataset,
+                        rng=worker.rng,
+                    ):
+                        if worker.iterator is None:
+                            worker.iterator = iter(self.dataset)
+                        batch = self.next_items(worker, worker.iterator)
+                finally:
+                    # What the dataset asked before it raised counts too: a worker whose first
+                    # batch raises, after its __iter__ asked which worker it is, has split.
                     worker.asked = worker.asked or worker_info_asked()
-                    if not worker.asked and self.workers > 1:
-                        return _Turn.ERROR, NotSplitError(self.dataset, self.workers)
-                    batch = self.collate(batch)
-                    if self.pin is not None:
-                        batch = self.pin(batch)
+                if batch is _END:
+                    worker.ended = True
+                    return _Turn.END, None
+                if not worker.asked and self.workers > 1:
+                    return _Turn.ERROR, NotSplitError(self.dataset, self.workers)
+                batch = self.collate(batch)  # outside the worker's info: see the invariants
+                if self.pin is not None:
+                    batch = self.pin(batch)
             except ThreadLetGo:
                 raise
             except Exception as e:
-                # What the dataset asked before it raised counts: a worker whose first batch
-                # raises, after its __iter__ asked which worker it is, has split its items.
-                worker.asked = worker.asked or worker_info_asked()
                 add_note(
                     e,
                     f"nostall: raised by the dataset's iterator in worker {worker.index} of "
                     f"{self.workers}, in {threading.current_thread().name!r}",
                 )
                 return _Turn.ERROR, e
-            if batch is _END:
-                worker.ended = True
-                return _Turn.END, None
             return _Turn.BATCH, batch
 
     def next_items(self, worker: _Worker, items: Iterator[Any]) -> Any:
@@ -281,6 +300,8 @@ def _run(
 ) -> None:
     """A worker's thread: make its batches in turn until its iterator ends or it is dropped."""
     while not dropped.is_set():
+        if worker.stepped and not worker.go.acquire(timeout=POLL_S):
+            continue  # not granted yet: dropped is looked at again
         try:
             message = fetch(worker)
         except Exception as e:  # outside the dataset (its worker info, say): at its turn

@@ -19,8 +19,10 @@ Invariants:
       augmentation drawn from it does not depend on the thread or on N, and runs repeat.
       Python's ``random``, ``np.random`` and torch's global generator stay shared by all
       threads: while ``inline()`` (a dataset that may draw from them, see
-      :mod:`nostall._sources.global_draws`) the samples are loaded one at a time in the thread that
-      asks for the batch, in order, so that such draws stay the plain loop's. On a
+      :mod:`nostall._sources.global_draws`) the samples are loaded one at a time, in order,
+      while the thread that asks for the batch waits (in that thread; under the loader's
+      ``timeout=``, each in a loading thread, so that the timeout covers it), so that such
+      draws stay the plain loop's. On a
       ``trial()`` (not known yet whether they draw) the threads fetch them, and all of the
       trial's samples are judged before ``next()`` returns: if they drew, the generators
       are put back and each of its batches is fetched again that way when asked for.
@@ -40,6 +42,11 @@ Invariants:
     * A sample's error is raised, as the same exception object with a note naming the index
       and the thread, by the ``next()`` of its batch, after every batch before it; the epoch
       goes on with the next batch, as a ``DataLoader``'s does.
+    * The loader's ``timeout=`` bounds each wait for a sample of the batch asked for, as a
+      ``DataLoader``'s workers bound each batch: the ``RuntimeError`` keeps the batch's turn
+      (the next ``next()`` waits for the same batch; a slow sample is not lost), and the sample
+      goes on in its thread. A sample that never returns holds its thread until the epoch is
+      dropped; the next epoch's samples then take its place (see :class:`Pool`).
     * The samples are fetched by a :class:`~nostall._loading.pool.Pool`, whose threads start when
       work arrives and end when idle; the work of an epoch that is dropped is skipped.
 """
@@ -122,6 +129,24 @@ def sample_seed(base_seed: int, batch: int, within: int) -> int:
 
 class _Dropped(Exception):
     """A sample not loaded: its epoch was dropped (see :meth:`ThreadedEpoch.let_go`) first."""
+
+
+class _InStep(SampleFuture):
+    """A sample loaded in step under a loader ``timeout=``: submitted when first waited for.
+
+    So the samples of a batch run one at a time, in order (the global generators' draws stay
+    the plain loop's), each in a loading thread, where the timeout can bound its wait.
+    """
+
+    def __init__(self, index: Any, submit: Callable[[Future[Any]], object]) -> None:
+        super().__init__(index)
+        self.submit: Callable[[Future[Any]], object] | None = submit
+
+    def start(self) -> None:
+        """Submit it (once)."""
+        submit, self.submit = self.submit, None
+        if submit is not None:
+            submit(self)
 
 
 class _Batch:
@@ -209,10 +234,13 @@ class ThreadedEpoch(Iterator[Any]):
             self._judge(trial)
         else:
             self._start_for_idle_threads()
-        started = self.pending.popleft()
+        started = self.pending[0]
+        if started.futures is None:  # fetched on a trial that drew: again, in order, now
+            started.futures = self._submit_batch(started.index, started.number, here=True)
         futures = started.futures
-        if futures is None:  # fetched on a trial that drew: again, in order, now
-            futures = self._submit_batch(started.index, started.number, here=True)
+        for future in futures:
+            self._wait(future)  # a timeout raised here keeps the batch's turn
+        self.pending.popleft()
         samples = [self._result(f) for f in futures]  # the first failed sample's error, if any
         if self.auto and self.getitems is None:
             batch = self.collate(samples)
@@ -250,23 +278,23 @@ class ThreadedEpoch(Iterator[Any]):
             ) from None
 
     def _wait(self, future: Future[Any]) -> None:
-        """Wait for ``future`` in slices (an exit interrupt gets through).
+        """Wait for ``future`` in slices (an exit interrupt gets through); start it if in step.
 
         Raises:
             RuntimeError: the loader's ``timeout`` passed first, as a DataLoader's workers
-                raise it; the sample is named, and the epoch goes on with the next batch.
+                raise it; the sample is named, and goes on loading (see the invariants).
         """
+        if isinstance(future, _InStep):
+            future.start()
         if not future.done():
             start = time.monotonic()
             self.waiting = (future, getattr(future, "sample", "a sample"))
             try:
                 while not futures_wait([future], POLL_S).done:
                     if self.timeout is not None and time.monotonic() - start >= self.timeout:
-                        what = self.waiting_on()
-                        self.pool.abandon(future)  # its thread no longer holds a slot
                         raise RuntimeError(
                             f"DataLoader timed out after {self.timeout:g} seconds: "
-                            f"{what} has not returned (the DataLoader's "
+                            f"{self.waiting_on()} has not returned (the DataLoader's "
                             f"timeout=, applied to each sample by nostall's loading threads)"
                         )
             finally:
@@ -401,6 +429,9 @@ class ThreadedEpoch(Iterator[Any]):
                     add_note(e, f"nostall: raised by dataset[{index!r}] in {thread!r}")
                     raise
 
+        if here and self.timeout is not None:
+            pool = self.pool  # not self: the futures must not keep the epoch alive
+            return _InStep(index, lambda future: pool.submit(task, future, dropped=dropped))
         if here:
             done: Future[Any] = SampleFuture(index)
             try:
@@ -408,4 +439,4 @@ class ThreadedEpoch(Iterator[Any]):
             except BaseException as e:
                 done.set_exception(e)
             return done
-        return self.pool.submit(task, SampleFuture(index))
+        return self.pool.submit(task, SampleFuture(index), dropped=dropped)
