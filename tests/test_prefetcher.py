@@ -665,8 +665,11 @@ def test_close_after_a_timeout_does_not_wait_for_the_stuck_sample(
 
 
 def test_the_loaders_own_timeout_applies_under_threads() -> None:
-    """DataLoader(timeout=) under threads=: the DataLoader's error, naming the sample, each
-    time the batch is asked for while the sample has not returned; then that batch, and on."""
+    """DataLoader(timeout=) under threads=: the DataLoader's error, naming the sample.
+
+    Raised each time the batch is asked for while the sample has not returned; then that batch
+    comes, and the rest of the epoch.
+    """
     data = Blocking()
     loader = DataLoader(data, batch_size=2, timeout=0.5)
     p = nostall.prefetch(loader, threads=2, timeout=60)  # the loader's comes first

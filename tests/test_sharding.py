@@ -204,7 +204,10 @@ print(f"rank {rank}: done", flush=True)
 
 @pytest.mark.timeout(200)
 def test_two_gloo_ranks_shard_every_epoch_after_init(tmp_path: Path) -> None:
-    """torchrun, two ranks: the sanity epoch before init loads all; then disjoint halves."""
+    """torchrun, two ranks, threads=2: the sanity epoch before init loads all; then halves.
+
+    Disjoint halves each epoch, and each epoch's own (set_epoch reached the sampler).
+    """
     script = tmp_path / "run.py"
     script.write_text(SANITY_THEN_DDP)
     done = run_torchrun(script, timeout=150)
@@ -217,3 +220,4 @@ def test_two_gloo_ranks_shard_every_epoch_after_init(tmp_path: Path) -> None:
         first, second = (set(r[epoch]) for r in ranks)
         assert (20, 20) == (len(first), len(second))
         assert set(range(40)) == first | second
+    assert ranks[0][1] != ranks[0][2]

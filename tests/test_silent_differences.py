@@ -100,7 +100,7 @@ def test_a_stateful_dispatcher_keeps_the_end_of_the_data_for_its_last_batch() ->
         wait_until(lambda: stream.finished, "pulled to the stream's end by the producer")
         # The dispatcher marks the end right after its source ended; a correct program never
         # does before the last batch is handed out, and only waits.
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 0.5
         while not accelerator.gradient_state.end_of_dataloader and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not accelerator.gradient_state.end_of_dataloader

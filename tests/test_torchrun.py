@@ -7,13 +7,12 @@ and end with the same weights (gloo's allreduce of two ranks is deterministic).
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_torchrun_finished, run_torchrun
+from helpers import run_torchrun
 
 SAMPLES, EPOCHS, BATCH = 80, 3, 8  # as in the example: 40 samples, 5 batches per rank and epoch
 STOP_AFTER = 7  # the 2nd batch of epoch 1: mid-epoch, and after the epoch boundary was crossed
@@ -77,40 +76,3 @@ def test_killed_mid_epoch_and_resumed_matches_uninterrupted(
     assert reference.keys() == resumed.keys()
     for name in reference:  # bit for bit
         assert torch.equal(reference[name], resumed[name]), (name, reference[name], resumed[name])
-
-
-LOADING_THREADS_RUN = """
-import torch, torch.distributed as dist
-from torch.utils.data import DataLoader
-import nostall
-dist.init_process_group("gloo")
-loader = DataLoader(list(range(40)), batch_size=4, shuffle=True,
-                    generator=torch.Generator().manual_seed(0))
-batches = nostall.prefetch(loader, "cpu", shard=True, threads=2)
-seen = {}
-for epoch in range(2):
-    batches.set_epoch(epoch)
-    seen[epoch] = [int(x) for b in batches for x in b]
-out = [None] * dist.get_world_size()
-dist.all_gather_object(out, seen)
-if dist.get_rank() == 0:
-    print("SEEN", out)
-rank = dist.get_rank()
-dist.destroy_process_group()
-print(f"rank {rank}: done", flush=True)
-"""
-
-
-def test_loading_threads_with_shard_give_each_rank_its_part(tmp_path: Path) -> None:
-    """torchrun, two ranks, threads=2 and shard=True: disjoint parts covering the data."""
-    script = tmp_path / "run.py"
-    script.write_text(LOADING_THREADS_RUN)
-    done = run_torchrun(script, timeout=120)
-    assert_torchrun_finished(done, ["rank 0: done", "rank 1: done"])
-    line = next(x for x in done.stdout.splitlines() if x.startswith("SEEN"))
-    ranks = ast.literal_eval(line[len("SEEN ") :])  # [{epoch: samples}], printed by rank 0
-    for epoch in range(2):
-        first, second = (set(r[epoch]) for r in ranks)
-        assert not first & second
-        assert set(range(40)) == first | second
-    assert ranks[0][0] != ranks[0][1]  # set_epoch reached the sampler
