@@ -73,13 +73,29 @@ def test_live_iteration_at_exit() -> None:
     assert 0 == done.returncode, done.stderr
 
 
-def test_producer_stuck_in_a_slow_source_at_exit() -> None:
-    """A producer inside a long __next__ at exit does not hold the process."""
+@pytest.mark.parametrize(
+    "source",
+    ["Slow(60)", "DataLoader(Sleeps(), batch_size=2)"],
+    ids=["producer", "loading-thread"],
+)
+def test_a_thread_waiting_in_c_at_exit_does_not_hold_the_process(source: str) -> None:
+    """A thread inside a long sleep at exit: exit does not wait out its whole second wait.
+
+    It uses no CPU time: exit takes it to wait in C, as a stuck worker process waits, and
+    leaves it well before INTERRUPT_WAIT_S (60 s here) runs out.
+    """
+    threads = ", threads=2" if "DataLoader" in source else ""
     start = time.monotonic()
-    done = run_script("""
+    done = run_script(f"""
         import nostall._exit
-        nostall._exit.INTERRUPT_WAIT_S = 1.0  # the thread sleeps in C: the wait runs out
-        it = iter(nostall.prefetch(Slow(60), timeout=0.2))
+        nostall._exit.INTERRUPT_WAIT_S = 60.0
+        class Sleeps(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                time.sleep(60)
+                return i
+        it = iter(nostall.prefetch({source}, timeout=0.2{threads}))
         try:
             next(it)
         except TimeoutError:
@@ -89,6 +105,31 @@ def test_producer_stuck_in_a_slow_source_at_exit() -> None:
     assert 0 == done.returncode, done.stderr
     assert "timed out" in done.stdout
     assert time.monotonic() - start < 30
+
+
+def test_an_exit_handler_registered_before_the_import_loads_with_threads() -> None:
+    """Its handler runs after nostall's: a threads= epoch there loads every batch, no hang."""
+    code = textwrap.dedent("""
+        import atexit
+        def at_exit():
+            from torch.utils.data import DataLoader
+            import nostall
+            for epoch in range(2):
+                print([b.tolist() for b in nostall.prefetch(DataLoader(range(8), batch_size=2),
+                                                            threads=2)])
+        atexit.register(at_exit)
+        import nostall
+        from torch.utils.data import DataLoader
+        print([b.tolist() for b in nostall.prefetch(DataLoader(range(4), batch_size=2),
+                                                    threads=2)])
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert_clean(done)
+    assert 0 == done.returncode, done.stderr
+    epoch = "[[0, 1], [2, 3], [4, 5], [6, 7]]"
+    assert ["[[0, 1], [2, 3]]", epoch, epoch] == done.stdout.splitlines()
 
 
 def test_exception_in_the_loop() -> None:

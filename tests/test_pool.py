@@ -9,8 +9,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import pytest
 from helpers import refused_thread_starts, wait_until
 
+import nostall._loading.pool as pool_module
+from nostall._exit import interrupt
 from nostall._loading.pool import Pool
 
 
@@ -68,3 +71,19 @@ def test_in_flight_counts_the_tasks_queued_and_running() -> None:
     release.set()
     assert [0, 0, 0] == [future.result(timeout=60) for future in futures]
     wait_until(lambda: 0 == pool.in_flight(), "no task in flight")
+
+
+def test_a_thread_ended_by_an_interrupt_gives_its_place_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Interrupted while idle (as exit interrupts it): the next task still gets a thread."""
+    # Idle 2 s: the interrupt lands as its wait for work returns, before it would end.
+    monkeypatch.setattr(pool_module, "IDLE_S", 2.0)
+    pool = Pool(1, "nostall-test")
+    assert 1 == pool.submit(lambda worker: 1).result(timeout=30)
+    (thread,) = pool.counted.values()
+    wait_until(lambda: not pool.running, "the task's end counted")
+    assert interrupt(thread)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert 2 == pool.submit(lambda worker: 2).result(timeout=30)

@@ -8,7 +8,10 @@ status was). So exit (:func:`wind_down`) waits, a bounded time, for every thread
 here; then it interrupts those still running between two of their Python steps, where ending
 them is harmless, and waits again. Only a thread that stays inside one C call for the whole
 second wait is left running: if that call never returns, the process exits normally; only one
-that returns during finalisation can still abort it.
+that returns during finalisation can still abort it. A thread that uses no CPU time for
+:data:`BLOCKED_S` during the second wait is inside a call that waits (a sleep, a read, a lock)
+rather than one that computes: exit stops waiting for it then, as a DataLoader's exit stops
+waiting for a stuck worker process, rather than after the whole wait.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ INTERRUPT_WAIT_S = 10.0
 
 #: Seconds between two interrupts of a thread that is still running.
 RESEND_S = 0.5
+
+#: Seconds without CPU time after which a thread still running at exit is taken to wait in C.
+BLOCKED_S = 1.0
 
 
 class ThreadLetGo(SystemExit):
@@ -81,12 +87,41 @@ def wind_down(polite_s: float, interrupt_s: float | None = None) -> list[threadi
     me = threading.current_thread()
     running = [t for t in list(_tracked) if t.is_alive() and t is not me]
     deadline = time.monotonic() + interrupt_s
+    used = {t: (cpu_ticks(t), time.monotonic()) for t in running}  # CPU time, and since when
+    waiting: list[threading.Thread] = []  # in a call that waits, not one that computes
     while running and time.monotonic() < deadline:
         for thread in running:
             interrupt(thread)  # again each round: a thread may have caught the last one
-        join_tracked(min(deadline, time.monotonic() + RESEND_S))
+        until = min(deadline, time.monotonic() + RESEND_S)
+        for thread in running:
+            thread.join(max(0.0, until - time.monotonic()))
         running = [t for t in running if t.is_alive()]
-    return running
+        for thread in running:
+            ticks, since = used[thread]
+            now = cpu_ticks(thread)
+            if ticks is None or now != ticks:
+                used[thread] = (now, time.monotonic())
+            elif time.monotonic() - since >= BLOCKED_S:
+                waiting.append(thread)
+        running = [t for t in running if t not in waiting]
+    return running + [t for t in waiting if t.is_alive()]
+
+
+def cpu_ticks(thread: threading.Thread) -> int | None:
+    """The CPU time ``thread`` has used, in clock ticks; None where it cannot be read.
+
+    Read from ``/proc`` (Linux): its user and system time, the 14th and 15th fields of the
+    thread's ``stat``, counted after the command name, which may hold spaces and parentheses.
+    """
+    native = thread.native_id
+    if native is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 if hasattr(os, "register_at_fork"):

@@ -41,10 +41,14 @@ class Pool:
           so it cannot miss a task queued meanwhile. A thread the OS refuses leaves the task
           to the running threads (one warning), or, with none running, fails the task's
           future with the OS's error.
-        * A thread ends after :data:`IDLE_S` seconds without a task, once the interpreter
-          begins to exit (``_exit.exiting``: it takes no new task), or when :meth:`abandon`
-          stopped counting it (after its task returns). An abandoned thread's id is free at
-          once: a new thread may hold it while the abandoned one still runs.
+        * A thread ends after :data:`IDLE_S` seconds without a task (at once, once the
+          interpreter begins to exit: ``_exit.exiting``), or when :meth:`abandon` stopped
+          counting it (after its task returns). An abandoned thread's id is free at once: a
+          new thread may hold it while the abandoned one still runs.
+        * ``counted`` holds each counted thread by its id. One that ended without giving its
+          place back (interrupted at exit, ``ThreadLetGo``, between two of its steps) gives
+          it at the next :meth:`submit`: code that loads after nostall's exit hook ran (an
+          exit handler registered before it) gets threads again, never a task nobody runs.
         * ``running`` maps the future of each task being run to its thread and worker id.
         * A task submitted with its epoch's ``dropped`` event, still running once that event
           is set and its thread's slot is wanted (every slot held when a task is submitted),
@@ -78,6 +82,8 @@ class Pool:
         self.abandoned: set[threading.Thread] = set()
         #: The epoch's ``dropped`` event of each task submitted with one, until it ends.
         self.epoch_of: dict[Future[Any], threading.Event] = {}
+        #: The counted threads, by worker id.
+        self.counted: dict[int, threading.Thread] = {}
 
     def submit(
         self,
@@ -92,6 +98,7 @@ class Pool:
         """
         future = Future() if future is None else future
         with self.lock:
+            self._reclaim()
             self.tasks.append((future, task))
             if dropped is not None:
                 self.epoch_of[future] = dropped
@@ -105,6 +112,18 @@ class Pool:
         for each in stale:
             self.abandon(each)
         return future
+
+    def _reclaim(self) -> None:
+        """Give back the places of threads that ended counted (the caller holds ``lock``)."""
+        for worker, thread in list(self.counted.items()):
+            if not thread.is_alive():
+                del self.counted[worker]
+                self.live -= 1
+                self.free_ids.append(worker)
+                self.free_ids.sort()
+                for future in [f for f, (t, _, _) in self.running.items() if t is thread]:
+                    self.running.pop(future)
+                    self.epoch_of.pop(future, None)
 
     def in_flight(self) -> int:
         """Tasks queued or being run now (a thread :meth:`abandon` let go no longer counts)."""
@@ -127,6 +146,7 @@ class Pool:
             return False
         self.free_ids.pop(0)
         self.live += 1  # under the lock: the thread cannot end before it is counted
+        self.counted[worker] = thread
         return True
 
     def _not_started(self, future: Future[Any], name: str, error: RuntimeError) -> None:
@@ -165,7 +185,8 @@ class Pool:
                     return  # abandoned while it ran a task: no longer counted, takes no more
                 if not self.tasks and not _exit.exiting.is_set():
                     self.work.wait(IDLE_S)
-                if not self.tasks or _exit.exiting.is_set():  # at exit: no new work
+                if not self.tasks:
+                    self.counted.pop(worker, None)
                     self.live -= 1
                     self.free_ids.append(worker)
                     self.free_ids.sort()
@@ -202,6 +223,7 @@ class Pool:
             stuck = [self.running.pop(f) for f in futures]
             for thread, worker, _ in stuck:
                 self.abandoned.add(thread)
+                self.counted.pop(worker, None)
                 self.live -= 1
                 self.free_ids.append(worker)
             self.free_ids.sort()
