@@ -297,11 +297,12 @@ def seeded(seed: int) -> torch.Generator:
     ],
 )
 def test_the_first_batches_are_fetched_by_every_thread_too(threads: int, build: Any) -> None:
-    """From the first sample on, N threads fetch at once, while the global draws are watched.
+    """From the first sample on, N threads fetch at once, where no global draw is watched.
 
-    Until it is known whether the source draws from the global generators, its batches are
-    pulled in step with the loop (test_global_draws): before, their samples were then loaded
-    one at a time in the loop's thread, and a dataset that needs N fetches at once broke.
+    Where it is watched (test_global_draws), the first batch's first sample is fetched alone
+    to see whether it draws, so a dataset whose samples wait for one another waits there; here
+    the source is known not to draw (as the thread-safety check loads it), and the batches,
+    the loader's, need N fetches at once from the first sample on.
     """
     data = InFlightTogether(24, together=threads)  # 24 / threads rounds, each needs them all
     data.wait = False
@@ -309,8 +310,8 @@ def test_the_first_batches_are_fetched_by_every_thread_too(threads: int, build: 
     expected = list(build(data))
     data.wait = True
     torch.manual_seed(5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a source that draws nothing: no warning either
+    with warnings.catch_warnings(), unwatched():
+        warnings.simplefilter("error")  # no warning either
         batches = list(nostall.prefetch(build(data), "cpu", threads=threads))
     assert_same_batches(expected, batches)
 

@@ -23,9 +23,11 @@ Invariants:
       while the thread that asks for the batch waits (in that thread; under the loader's
       ``timeout=``, each in a loading thread, so that the timeout covers it), so that such
       draws stay the plain loop's. On a
-      ``trial()`` (not known yet whether they draw) the threads fetch them, and all of the
-      trial's samples are judged before ``next()`` returns: if they drew, the generators
-      are put back and each of its batches is fetched again that way when asked for.
+      ``trial()`` (not known yet whether they draw) the batch's first sample is fetched that
+      way and judged: it drew, the rest follow it that way; it drew nothing, the threads fetch
+      the rest (and the next batches, N samples at most), all of them returned before
+      ``next()`` returns, so that the pull's own judgement covers them. No generator is ever
+      put back: another thread's draws are never drawn again.
     * At most ``room()`` batches beyond the one asked for are started to fill the
       prefetcher's free slots (so that those batches stay within ``depth``). Beyond them,
       while fewer than N samples are in flight (queued or being fetched), the following
@@ -150,14 +152,14 @@ class _InStep(SampleFuture):
 
 
 class _Batch:
-    """A batch started and not handed out; ``futures`` None once the trial it was on drew."""
+    """A batch started and not handed out: its samples' futures, and the trial it was on."""
 
     __slots__ = ("futures", "index", "number", "samples", "trial")
 
     def __init__(self, futures: list[Future[Any]], samples: int, index: Any, number: int) -> None:
-        self.futures: list[Future[Any]] | None = futures
+        self.futures = futures
         self.samples, self.index, self.number = samples, index, number
-        self.trial: Trial | None = None  # the trial it was started on, until judged
+        self.trial: Trial | None = None  # the trial it was started on, until awaited
 
 
 class ThreadedEpoch(Iterator[Any]):
@@ -231,12 +233,10 @@ class ThreadedEpoch(Iterator[Any]):
             self._start_next()
         if trial is not None:
             self._start_on_trial(trial)
-            self._judge(trial)
+            self._await_trial(trial)
         else:
             self._start_for_idle_threads()
         started = self.pending[0]
-        if started.futures is None:  # fetched on a trial that drew: again, in order, now
-            started.futures = self._submit_batch(started.index, started.number, here=True)
         futures = started.futures
         for future in futures:
             self._wait(future)  # a timeout raised here keeps the batch's turn
@@ -248,20 +248,16 @@ class ThreadedEpoch(Iterator[Any]):
             batch = self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
         return batch if self.pin is None else self.pin(batch)
 
-    def _judge(self, trial: Trial) -> None:
-        """Wait for every sample started on ``trial``, then judge it (see the invariants).
+    def _await_trial(self, trial: Trial) -> None:
+        """Wait for every sample started on ``trial`` (see the invariants).
 
-        A trial that drew put the generators back; its samples are fetched again as each batch
-        is asked for. None under a loader ``timeout=``: awaiting all, it raises for another.
+        So that the pull's own judgement, when it returns, covers their draws too. None under
+        a loader ``timeout=``: awaiting all, it would raise for another batch.
         """
-        on_trial = [b for b in self.pending if b.trial is trial]
-        for started in on_trial:
-            for future in started.futures or ():
+        for started in [b for b in self.pending if b.trial is trial]:
+            for future in started.futures:
                 self._wait(future)
             started.trial = None
-        if on_trial and trial.judge():  # a trial that started nothing is not judged
-            for started in on_trial:
-                started.futures = None
 
     def _result(self, future: Future[Any]) -> Any:
         self._wait(future)  # see there
@@ -319,11 +315,12 @@ class ThreadedEpoch(Iterator[Any]):
 
         So that N threads fetch at once from the first batch on (``batch_size=1`` too). Counted,
         not timed (unlike :meth:`_start_for_idle_threads`): the trial waits for all its samples,
-        which must be able to finish together whatever the timing. Only after a sampler that
-        draws nothing past its start (:func:`~nostall._sources.global_draws.quiet_after_start`).
+        which must be able to finish together whatever the timing. Only once the trial was
+        judged clear, and after a sampler that draws nothing past its start
+        (:func:`~nostall._sources.global_draws.quiet_after_start`).
         """
-        if not self.quiet_ahead:
-            return
+        if not self.quiet_ahead or trial.drew is None or trial.drew:
+            return  # drew: in step for good; None: started nothing (the sampler's error)
         spare = self.pool.size - sum(b.samples for b in self.pending)  # the batch asked for
         while spare > 0 and (self.length is None or self.batch < self.length):
             index = self._peek()
@@ -396,18 +393,33 @@ class ThreadedEpoch(Iterator[Any]):
         self.drawn = _NONE
         batch, self.batch = self.batch, self.batch + 1
         here = trial is None and self.inline()
-        started = _Batch(self._submit_batch(index, batch, here), self._samples(index), index, batch)
+        futures = self._submit_batch(index, batch, here, trial)
+        started = _Batch(futures, self._samples(index), index, batch)
         started.trial = trial
         self.pending.append(started)
         return True
 
-    def _submit_batch(self, index: Any, batch: int, here: bool) -> list[Future[Any]]:
-        """The futures of batch number ``batch``'s samples (``here``: fetched in this thread)."""
+    def _submit_batch(
+        self, index: Any, batch: int, here: bool, trial: Trial | None = None
+    ) -> list[Future[Any]]:
+        """The futures of batch number ``batch``'s samples (``here``: fetched in this thread).
+
+        On a ``trial`` not judged yet, the first sample is fetched in this thread, then the
+        trial is judged: drew, the others are fetched here too, in order; else by the threads.
+        """
+        judge = trial is not None and trial.drew is None
         if self.getitems is not None or not self.auto:
             fetch = self.getitems if self.getitems is not None else self.dataset.__getitem__
-            return [self._submit(fetch, index, batch, 0, here)]
-        fetch = self.dataset.__getitem__
-        return [self._submit(fetch, i, batch, k, here) for k, i in enumerate(index)]
+            future = self._submit(fetch, index, batch, 0, here or judge)
+            if trial is not None:
+                trial.judge()
+            return [future]
+        futures = []
+        for k, i in enumerate(index):
+            futures.append(self._submit(self.dataset.__getitem__, i, batch, k, here or judge))
+            if judge and trial is not None:
+                judge, here = False, bool(trial.judge())  # drew: the rest after it, here
+        return futures
 
     def _submit(
         self, fetch: Callable[[Any], Any], index: Any, batch: int, within: int, here: bool

@@ -3,7 +3,7 @@
 torch's CPU generator, torch.cuda's (once CUDA is initialised), Python's ``random`` and NumPy's
 ``np.random`` (once NumPy is imported) are each one stream shared by every thread of the
 process. :func:`snapshot` and :func:`moved` tell whether anything drew between two moments;
-a :class:`Trial` also puts them back. What a prefetcher does with that is
+:class:`Saved` puts them back. What a prefetcher does with that is
 :mod:`nostall._sources.global_draws`'s.
 """
 
@@ -112,32 +112,32 @@ class HandBack(Saved):
             self.put_back()
 
 
-class Trial(Saved):
-    """Samples fetched in parallel while it is not known whether they draw; judged after.
+class Trial:
+    """A batch's samples, fetched in parallel if its first one, judged alone, drew nothing.
 
     Invariants:
-        * Made (the global generators' states saved) in the pulling thread, after the
+        * Made (the global generators' positions read) in the pulling thread, after the
           sampler drew the batch's indices and before any of its samples starts; judged
-          (:meth:`judge`) once every sample started under it returned, before any is handed
-          out. Meanwhile the loop waits for its batch (the pull is in step): a generator that
-          moved was moved by the samples (or by another thread: see the module).
-        * Judged as drawing, the generators are put back where they were saved and the watch
-          is told (``on_draws``): the caller fetches the samples again, one at a time, in
-          order, each when the loop asks for its batch, so they draw what the plain loop draws.
-        * Judged once; later calls give the same answer and put nothing back again.
+          (:meth:`judge`) once the batch's first sample returned, fetched alone in that
+          thread while the loop waits for its batch (the pull is in step): a generator that
+          moved was moved by that sample (or by another thread: see the module).
+        * Nothing is put back. The judged sample drew where the plain loop draws; judged as
+          drawing, the watch is told (``on_draws``) and the batch's other samples are fetched
+          after it, one at a time, in order, in the pulling thread; judged clear, the loading
+          threads fetch them. Another thread's draws are never drawn a second time.
+        * Judged once; later calls give the same answer.
     """
 
     def __init__(self, on_draws: Callable[[tuple[str, ...]], None]) -> None:
-        super().__init__()
+        self.before = snapshot()
         self.on_draws = on_draws
         self.drew: tuple[str, ...] | None = None  # None: not judged yet
 
     def judge(self) -> tuple[str, ...]:
-        """The generators the samples drew from (none: they drew nothing), put back if any."""
+        """The generators the first sample drew from (none: it drew nothing)."""
         if self.drew is None:
             self.drew = moved(self.before, snapshot())
             if self.drew:
-                self.put_back()
                 self.on_draws(self.drew)
         return self.drew
 

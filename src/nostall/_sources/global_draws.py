@@ -14,14 +14,14 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
 * While it is not known whether the source draws, it is pulled **in step** with the loop: a
   batch is pulled only when the loop asks for it (by the loop's thread, or by the producer
   while the loop waits), so every draw happens where the plain loop makes it. Under
-  ``threads=N`` (N > 1) that batch's samples (and, after a sampler known to draw only when
-  it starts, the next batches' while fewer than N samples are in flight) are fetched by the
-  N threads on trial (:class:`~nostall._sources.generators.Trial`): the generators' states are
-  saved first and compared once every sample returned. Nothing moved: the samples drew
-  nothing, so when they ran does not matter. Something moved: the generators are put back,
-  the samples are fetched again one at a time, in order, in the pulling thread, and the
-  source is in step for good (the cost: those samples fetched twice). Known to draw, its
-  samples are loaded that way from then on.
+  ``threads=N`` (N > 1) that batch is fetched on trial
+  (:class:`~nostall._sources.generators.Trial`): its first sample alone, in the pulling
+  thread, the generators' positions compared around it. Nothing moved: the N threads fetch
+  the rest (and, after a sampler known to draw only when it starts, the next batches' while
+  fewer than N samples are in flight). Something moved: the rest are fetched after it one at
+  a time, in order, in the pulling thread, and the source is in step for good. Nothing is
+  ever put back, so a draw made meanwhile by another thread is never drawn twice. Known to
+  draw, its samples are loaded one at a time from then on.
 * A pull is judged: the global generators' states are compared before and after it
   (:mod:`nostall._sources.generators`). An epoch's first pull is judged only where the source is
   known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
@@ -37,9 +37,9 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   thread at the epoch's first ``next()``, where the plain loop's ``for`` creates it). So is a
   ``list`` or ``tuple`` of batches (no code runs to make them) without a ``transform=``.
 
-What it cannot see: a source that draws only at later batches, or only sometimes; and a draw
-made meanwhile by another thread of the process reads as the source's (a false alarm costs
-speed, and a trial's rewind would put that thread's draw back, to be drawn again).
+What it cannot see: a source that draws only at later batches or samples, or only sometimes;
+and a draw made meanwhile by another thread of the process reads as the source's (a false
+alarm: it costs speed, and the warning says that it may be another thread's).
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ class DrawWatch:
                 "(DataLoader(num_workers=2): each worker draws from its own seed, reproducibly, "
                 "though not the values num_workers=0 draws)"
             )
-        return f"nostall: {who} draws from {what} (seen while loading a batch), {done}. {fix}."
+        seen = "seen while loading a batch; another thread of yours drawing then looks the same"
+        return f"nostall: {who} draws from {what} ({seen}), {done}. {fix}."
 
 
 def quiet_after_start(loader: Any) -> bool:
