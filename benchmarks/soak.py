@@ -3,7 +3,9 @@
 Each round runs the ways a training script uses a prefetcher: a full epoch (plain, with
 ``threads=2``, across epochs with ``set_epoch``), a ``break`` mid-epoch, an error in one batch
 caught by the loop, ``close()`` mid-epoch, and a mid-epoch ``state_dict`` resumed by a new
-prefetcher. Every epoch is checked against the plain loader (every batch once, in order).
+prefetcher; then the same over a stream (an ``IterableDataset``) read by ``threads=2``.
+Every epoch is checked against the plain loader (every batch once, in order; for the stream,
+the batches of ``num_workers=2``).
 The process's resident memory, threads and open files are sampled after each round; the
 soak fails when, after a warm-up, they grow beyond generous bounds (a leak grows without end;
 the allocator's noise does not).
@@ -26,7 +28,7 @@ from typing import Any
 
 import psutil
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 import nostall
 
@@ -75,7 +77,9 @@ def full_epochs() -> None:
 
 def across_epochs() -> None:
     """Three epochs run ahead across their boundaries, set_epoch before each."""
-    with nostall.prefetch(loader(), across_epochs=True) as p:
+    # Its own generator: the base seed an epoch opened ahead draws is then not the loop's.
+    seeded = DataLoader(Samples(), batch_size=8, generator=torch.Generator().manual_seed(0))
+    with nostall.prefetch(seeded, across_epochs=True) as p:
         for epoch in range(3):
             p.set_epoch(epoch)
             assert EXPECTED == firsts(p)
@@ -125,6 +129,52 @@ def resume_mid_epoch() -> None:
     q.close()
 
 
+class Stream(IterableDataset[torch.Tensor]):
+    """Items 0 to 47; worker w of k reads every k-th from w; item ``fail_at`` raises."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(worker, 48, workers):
+            if i == self.fail_at:
+                raise ValueError(f"item {i} is bad")  # ends this worker's items
+            yield torch.full((64,), float(i))
+
+
+#: The first items of a stream's batches of 4 with 2 workers (theirs in turn), as a
+#: DataLoader with num_workers=2 gives them.
+STREAM = [0, 1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41]
+
+
+def stream_with_threads() -> None:
+    """A stream read by 2 threads: epochs, a break, an error caught, a resume mid-epoch."""
+    with nostall.prefetch(DataLoader(Stream(), batch_size=4), threads=2) as p:
+        assert STREAM == firsts(p)
+        for i, _ in enumerate(p):
+            if i == 3:
+                break
+        assert STREAM == firsts(p)
+        it = iter(p)
+        seen = [int(next(it)[0, 0]) for _ in range(5)]
+        state = p.state_dict()
+    with nostall.prefetch(DataLoader(Stream(), batch_size=4), threads=2) as q:
+        q.load_state_dict(state)
+        assert STREAM == seen + firsts(q)
+    got: list[int | str] = []
+    it = iter(nostall.prefetch(DataLoader(Stream(fail_at=17), batch_size=4), threads=2))
+    while True:
+        try:
+            got.append(int(next(it)[0, 0]))
+        except StopIteration:
+            break
+        except ValueError:
+            got.append("error")
+    assert [0, 1, 8, 9, 16, "error", 24, 32, 40] == got, got  # worker 1's items end there
+
+
 ROUND: list[Callable[[], None]] = [
     full_epochs,
     across_epochs,
@@ -132,6 +182,7 @@ ROUND: list[Callable[[], None]] = [
     error_in_one_batch,
     close_mid_epoch,
     resume_mid_epoch,
+    stream_with_threads,
 ]
 
 
