@@ -793,3 +793,16 @@ def test_after_a_sample_stuck_for_good_the_next_epoch_completes() -> None:
         data.release.set()
         p.close()
     wait_for_no_nostall_threads()
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="an accelerator pins the batches")
+def test_pin_memory_without_an_accelerator_is_warned_as_the_loader_warns() -> None:
+    """threads= replaces the loader's iterator, which warns so at each epoch's start."""
+    data = SlowFirst()
+    data.release.set()  # no sample waits
+    loader = DataLoader(data, batch_size=3, pin_memory=True)
+    message = "'pin_memory' argument is set as true but no accelerator is found"
+    with pytest.warns(UserWarning, match=message):
+        expected = list(loader)
+    with nostall.prefetch(loader, threads=2) as p, pytest.warns(UserWarning, match=message):
+        assert_same_batches(expected, list(p))

@@ -25,7 +25,7 @@ from .._clients.accelerate import ShardMirror
 from .._clients.fabric import IterCount
 from .._loading.pacing import Pacer
 from .._loading.pool import Pool
-from .._loading.threadable import warn_unseeded_threads
+from .._loading.threadable import warn_unpinned, warn_unseeded_threads
 from .._loading.threaded_stream import ThreadedStream
 from .._loading.threads import ThreadedEpoch
 from .._sources.checks import SameEpochWatch
@@ -144,6 +144,7 @@ class EpochSource:
             return iter(loader)
         draws = self.draws
         warn_unseeded_threads(loader, self.pool.size, self.worker_init)
+        warn_unpinned(loader)
         if not self.kind.map_style:
             return ThreadedStream(loader, self.pool, inline=lambda: draws.in_step)
         return ThreadedEpoch(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from .._clients.accelerate import unthreadable_shard
 from .._clients.fabric import threads_refusal
 from .._clients.transformers import is_trainer_seed_worker
@@ -130,6 +132,20 @@ def warn_unseeded_threads(loader: Any, threads: int, seen: object) -> None:
             f"are not reseeded so: what your dataset draws differs from such a loader with "
             f"num_workers={threads}. Pass workers=False to seed_everything (nothing changes "
             f"where Lightning sets up none of your loaders), or leave threads out",
+            UserWarning,
+        )
+
+
+def warn_unpinned(loader: Any) -> None:
+    """At an epoch's start under ``threads=``: ``pin_memory=True`` with no accelerator.
+
+    The loader's own iterator warns so when it starts; loading threads replace that iterator,
+    so they say it in its words (batches are not pinned: see ``pinning_like``).
+    """
+    if loader.pin_memory and not torch.accelerator.is_available():
+        warn(
+            "'pin_memory' argument is set as true but no accelerator is found, then device "
+            "pinned memory won't be used.",
             UserWarning,
         )
 
