@@ -94,17 +94,22 @@ def break_mid_epoch() -> None:
     del p
 
 
-def error_in_one_batch() -> None:
-    """One batch raises; the loop catches it and gets every other batch."""
+def caught(batches: Any) -> list[int | str]:
+    """Each batch's first sample, or "error" for a batch that raised a ValueError, caught."""
     got: list[int | str] = []
-    it = iter(nostall.prefetch(loader(fail_at=20)))
+    it = iter(batches)
     while True:
         try:
             got.append(int(next(it)[0, 0]))
         except StopIteration:
-            break
+            return got
         except ValueError:
             got.append("error")
+
+
+def error_in_one_batch() -> None:
+    """One batch raises; the loop catches it and gets every other batch."""
+    got = caught(nostall.prefetch(loader(fail_at=20)))
     assert [0, 8, "error", *EXPECTED[3:]] == got, got
 
 
@@ -163,15 +168,7 @@ def stream_with_threads() -> None:
     with nostall.prefetch(DataLoader(Stream(), batch_size=4), threads=2) as q:
         q.load_state_dict(state)
         assert STREAM == seen + firsts(q)
-    got: list[int | str] = []
-    it = iter(nostall.prefetch(DataLoader(Stream(fail_at=17), batch_size=4), threads=2))
-    while True:
-        try:
-            got.append(int(next(it)[0, 0]))
-        except StopIteration:
-            break
-        except ValueError:
-            got.append("error")
+    got = caught(nostall.prefetch(DataLoader(Stream(fail_at=17), batch_size=4), threads=2))
     assert [0, 1, 8, 9, 16, "error", 24, 32, 40] == got, got  # worker 1's items end there
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -645,6 +646,19 @@ def test_a_refused_loading_thread_leaves_the_running_ones_loading() -> None:
     wait_for_no_nostall_threads()
 
 
+def each_next(batches: Any, on_error: Callable[[RuntimeError], str]) -> list[Any]:
+    """Each batch as an int, and ``on_error(error)`` for each RuntimeError, until the end."""
+    got: list[Any] = []
+    it = iter(batches)
+    while True:
+        try:
+            got.append(int(next(it)))
+        except StopIteration:
+            return got
+        except RuntimeError as e:
+            got.append(on_error(e))
+
+
 class _StuckAt3(Dataset[int]):
     """Sample 3 waits for ``release`` while ``stuck``; the others return at once."""
 
@@ -666,25 +680,23 @@ def test_a_timed_out_sample_keeps_its_batchs_turn(threads: int) -> None:
     """The loader's timeout=: the slow sample's batch comes at the next next(), as torch's."""
     data = _StuckAt3()
     loader = DataLoader(data, batch_size=1, timeout=0.5)
-    got: list[Any] = []
+    errors: list[RuntimeError] = []
+
+    def timed_out(error: RuntimeError) -> str:
+        errors.append(error)
+        if len(errors) == 2:
+            data.release.set()  # a slow sample, not a stuck one
+        return str(error).split(":")[0]
+
     with unwatched():
         p = nostall.prefetch(loader, threads=threads, depth=8, timeout=60)
     try:
-        it = iter(p)
-        while True:
-            try:
-                got.append(int(next(it)))
-            except StopIteration:
-                break
-            except RuntimeError as e:
-                got.append(str(e).split(":")[0])
-                if 2 == sum(isinstance(g, str) for g in got):
-                    data.release.set()  # a slow sample, not a stuck one
+        got = each_next(p, timed_out)
     finally:
         data.release.set()
         p.close()
-    timed_out = "DataLoader timed out after 0.5 seconds"  # twice: the batch waits again
-    assert [0, 1, 2, timed_out, timed_out, 3, 4, 5, 6, 7] == got
+    said = "DataLoader timed out after 0.5 seconds"  # twice: the batch waits again
+    assert [0, 1, 2, said, said, 3, 4, 5, 6, 7] == got
     wait_for_no_nostall_threads()
 
 
@@ -712,19 +724,15 @@ def test_a_slow_first_batch_under_a_loader_timeout_is_each_batch_once() -> None:
     """
     data = SlowFirst()
     loader = DataLoader(data, batch_size=1, timeout=1.5)
-    got: list[Any] = []
+
+    def timed_out(error: RuntimeError) -> str:
+        data.release.set()
+        return str(error).split(" at ")[0]
+
     with nostall.prefetch(loader, threads=4) as batches:
-        it = iter(batches)
-        while True:
-            try:
-                got.append(int(next(it)))
-            except StopIteration:
-                break
-            except RuntimeError as e:
-                got.append(str(e).split(" at ")[0])
-                data.release.set()
-    timed_out = "DataLoader timed out after 1.5 seconds: dataset[0] in 'nostall-load-0'"
-    assert [timed_out, 0, 1, 2, 3, 4, 5] == got
+        got = each_next(batches, timed_out)
+    said = "DataLoader timed out after 1.5 seconds: dataset[0] in 'nostall-load-0'"
+    assert [said, 0, 1, 2, 3, 4, 5] == got
 
 
 class HeldAtFourAndFive(Dataset[torch.Tensor]):
@@ -780,7 +788,7 @@ def test_after_a_sample_stuck_for_good_the_next_epoch_completes() -> None:
     data = _StuckAt3()
     loader = DataLoader(data, batch_size=2, timeout=1)
     with unwatched():
-        p = nostall.prefetch(loader, threads=2, timeout=60)
+        p = nostall.prefetch(loader, threads=1, timeout=60)  # its one place is held
     try:
         it = iter(p)
         assert [0, 1] == next(it).tolist()

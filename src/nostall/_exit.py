@@ -34,7 +34,7 @@ INTERRUPT_WAIT_S = 10.0
 RESEND_S = 0.5
 
 #: Seconds without CPU time after which a thread still running at exit is taken to wait in C.
-BLOCKED_S = 1.0
+BLOCKED_S = 2.0
 
 
 class ThreadLetGo(SystemExit):
@@ -110,8 +110,9 @@ def wind_down(polite_s: float, interrupt_s: float | None = None) -> list[threadi
 def cpu_ticks(thread: threading.Thread) -> int | None:
     """The CPU time ``thread`` has used, in clock ticks; None where it cannot be read.
 
-    Read from ``/proc`` (Linux): its user and system time, the 14th and 15th fields of the
-    thread's ``stat``, counted after the command name, which may hold spaces and parentheses.
+    Read from ``/proc`` (Linux): its user and system time, fields 14 and 15 of the thread's
+    ``stat``, found by splitting what follows the command name (which may hold spaces and
+    parentheses) at its last closing parenthesis.
     """
     native = thread.native_id
     if native is None:

@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -45,16 +45,18 @@ class Pool:
           interpreter begins to exit: ``_exit.exiting``), or when :meth:`abandon` stopped
           counting it (after its task returns). An abandoned thread's id is free at once: a
           new thread may hold it while the abandoned one still runs.
-        * ``counted`` holds each counted thread by its id. One that ended without giving its
-          place back (interrupted at exit, ``ThreadLetGo``, between two of its steps) gives
-          it at the next :meth:`submit`: code that loads after nostall's exit hook ran (an
-          exit handler registered before it) gets threads again, never a task nobody runs.
+        * ``counted`` holds each counted thread by its id; ``live`` and ``free_ids`` are
+          counted again from it at each :meth:`submit`. A thread that ended without giving
+          its place back (interrupted at exit, ``ThreadLetGo``, between two of its steps)
+          gives it there, and a task it had taken and not finished fails: code that loads
+          after nostall's exit hook ran (an exit handler registered before it) gets threads
+          again, and no waiter waits for a task nobody runs.
         * ``running`` maps the future of each task being run to its thread and worker id.
         * A task submitted with its epoch's ``dropped`` event, still running once that event
-          is set and its thread's slot is wanted (every slot held when a task is submitted),
-          is abandoned: a dropped epoch's thread stuck in a sample (a stream's ``__next__``
-          that never returns) cannot hold the next epoch's place, as a DataLoader's new epoch
-          does not wait for its old workers.
+          is set while a task waits for a thread with none idle (asked by the waiter,
+          :meth:`free_dropped`), is abandoned: a dropped epoch's thread stuck in a sample (a
+          stream's ``__next__`` that never returns) cannot hold the next epoch's place, as a
+          DataLoader's new epoch does not wait for its old workers.
 
     Threads are daemons named ``{name}-{worker id}``, tracked by :mod:`nostall._exit` (an
     interpreter exit waits for them). Every task runs inside ``context()`` (on CUDA the
@@ -104,26 +106,41 @@ class Pool:
                 self.epoch_of[future] = dropped
             if self.live < self.size:
                 self._start_thread(future)
-                return future
-            self.work.notify()
-            # Only when every slot is held: a dropped epoch's merely slow task, finishing
-            # while nothing waits for its place, is not interrupted.
-            stale = [f for f in self.running if f in self.epoch_of and self.epoch_of[f].is_set()]
-        for each in stale:
-            self.abandon(each)
+            else:
+                self.work.notify()
         return future
 
+    def free_dropped(self) -> None:
+        """Abandon dropped epochs' running tasks while queued tasks find no idle thread.
+
+        Asked by a waiter whose task has not started for a while: a dropped epoch's task that
+        is only slow, finishing while nothing waits for its place, is not interrupted.
+        """
+        with self.lock:
+            idle = self.live - len(self.running)
+            wanted = len(self.tasks) - max(0, idle)
+            stale = [f for f in self.running if f in self.epoch_of and self.epoch_of[f].is_set()]
+        for each in stale[: max(0, wanted)]:
+            self.abandon(each)
+
     def _reclaim(self) -> None:
-        """Give back the places of threads that ended counted (the caller holds ``lock``)."""
+        """Count the threads again: those that ended counted give their places back.
+
+        The caller holds ``lock``. A task such a thread had taken and not finished fails.
+        """
         for worker, thread in list(self.counted.items()):
-            if not thread.is_alive():
-                del self.counted[worker]
-                self.live -= 1
-                self.free_ids.append(worker)
-                self.free_ids.sort()
-                for future in [f for f, (t, _, _) in self.running.items() if t is thread]:
-                    self.running.pop(future)
-                    self.epoch_of.pop(future, None)
+            if thread.is_alive():
+                continue
+            del self.counted[worker]
+            for future in [f for f, (t, _, _) in self.running.items() if t is thread]:
+                self.running.pop(future)
+                self.epoch_of.pop(future, None)
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(
+                        RuntimeError(f"loading thread {thread.name!r} ended before its task")
+                    )
+        self.live = len(self.counted)
+        self.free_ids = sorted(set(range(self.size)) - set(self.counted))
 
     def in_flight(self) -> int:
         """Tasks queued or being run now (a thread :meth:`abandon` let go no longer counts)."""
@@ -199,7 +216,9 @@ class Pool:
                         result = task(worker)
                     future.set_result(result)
                 except BaseException as e:
-                    future.set_exception(e)
+                    # Interrupted (abandoned) inside set_result, after the result was set.
+                    with contextlib.suppress(InvalidStateError):
+                        future.set_exception(e)
             with self.lock:
                 self.running.pop(future, None)
                 self.epoch_of.pop(future, None)

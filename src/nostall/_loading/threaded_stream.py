@@ -34,7 +34,8 @@ Invariants:
       that raised has ended: its turn then ends it), as a DataLoader's worker is.
     * Dropping the epoch (``break``, ``close()``, a newer ``iter()``: :meth:`let_go`, or
       garbage collection) stops each thread at its next batch; one inside the dataset's
-      ``__next__`` ends when that returns.
+      ``__next__`` ends when that returns, or is interrupted there once a later epoch's
+      worker has waited :data:`STALE_S` for its place (``Pool.free_dropped``).
     * A dataset that makes a batch without asking ``get_worker_info()`` would be read whole
       by every thread (every item N times, as by N worker processes): the epoch raises
       :class:`NotSplitError` instead, with the fix.
@@ -65,7 +66,7 @@ from .._torch_compat import (
     worker_info_asked,
 )
 from .pool import Pool
-from .threads import POLL_S, SampleRng
+from .threads import POLL_S, STALE_S, SampleRng
 
 
 class NotSplitError(ValueError):
@@ -152,8 +153,8 @@ class ThreadedStream(Iterator[Any]):
             elif self.stepped and not self.inline():
                 self._free()
             if self.stepped and not worker.granted:
-                worker.granted = True
                 worker.go.release()
+                worker.granted = True
             kind, payload = self._take(worker)  # a timeout raised here keeps the turn
             worker.granted = False
             self._next_turn()
@@ -203,6 +204,9 @@ class ThreadedStream(Iterator[Any]):
             except queue.Empty:
                 pass
             thread = worker.thread
+            queued = thread is not None and not thread.running() and not thread.done()
+            if queued and time.monotonic() - start >= STALE_S:
+                self.pool.free_dropped()  # behind a dropped epoch's stuck worker?
             if thread is not None and thread.done() and worker.ready.empty():
                 error = thread.exception()
                 if error is None:  # ended without a last message: only when dropped
@@ -300,8 +304,11 @@ def _run(
 ) -> None:
     """A worker's thread: make its batches in turn until its iterator ends or it is dropped."""
     while not dropped.is_set():
-        if worker.stepped and not worker.go.acquire(timeout=POLL_S):
-            continue  # not granted yet: dropped is looked at again
+        if worker.stepped:
+            if not worker.go.acquire(timeout=POLL_S):
+                continue  # not granted yet: dropped is looked at again
+            if dropped.is_set():
+                return  # granted, then let go: no batch of a dropped epoch is made
         try:
             message = fetch(worker)
         except Exception as e:  # outside the dataset (its worker info, say): at its turn

@@ -86,6 +86,10 @@ from .pool import Pool, SampleFuture
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
 POLL_S = 0.1
 
+#: Seconds a sample waits queued before its waiter asks the pool to free the places that a
+#: dropped epoch's samples still hold (see ``Pool.free_dropped``).
+STALE_S = 0.5
+
 #: The most loading threads ``threads=`` takes. Threads start per sample in flight (up to N
 #: whenever N samples are wanted), so a larger count starts hundreds of threads that share
 #: one GIL; past about the cores (more for I/O-bound samples) they only add switching.
@@ -222,7 +226,7 @@ class ThreadedEpoch(Iterator[Any]):
         trial = None
         if self.inline() and not self.pending:  # else each pending batch was judged already
             self._peek()  # the sampler's own draws (its order, at its start) come first
-            trial = self.trial() if self.timeout is None else None  # see _judge
+            trial = self.trial() if self.timeout is None else None  # see _await_trial
         if not self.pending and not self._start_next(trial):
             raise StopIteration
         while (
@@ -287,6 +291,8 @@ class ThreadedEpoch(Iterator[Any]):
             self.waiting = (future, getattr(future, "sample", "a sample"))
             try:
                 while not futures_wait([future], POLL_S).done:
+                    if not future.running() and time.monotonic() - start >= STALE_S:
+                        self.pool.free_dropped()  # behind a dropped epoch's stuck sample?
                     if self.timeout is not None and time.monotonic() - start >= self.timeout:
                         raise RuntimeError(
                             f"DataLoader timed out after {self.timeout:g} seconds: "
