@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import pickle
+import subprocess
+import sys
 import threading
 import types
 from collections.abc import Iterator
@@ -18,12 +20,37 @@ def test_public_names_are_exactly_all() -> None:
     """Every public name is in __all__, and __all__ is sorted (transforms, cuda: public modules)."""
     public = {
         name
-        for name, value in vars(nostall).items()
+        for name in dir(nostall)  # the names imported on first use too
         if not name.startswith("_")
-        and (not isinstance(value, types.ModuleType) or name in ("transforms", "cuda"))
+        and (
+            not isinstance(getattr(nostall, name), types.ModuleType)
+            or name in ("transforms", "cuda")
+        )
     }
     assert public == set(nostall.__all__) - {"__version__"}
     assert sorted(nostall.__all__) == nostall.__all__
+    assert all(getattr(nostall, n).__module__ == "nostall" for n in public - {"cuda", "transforms"})
+
+
+def test_the_package_and_the_commands_help_load_no_torch() -> None:
+    """import nostall, nostall --help and --version answer without loading torch (seconds)."""
+    code = (
+        "import sys\n"
+        "import nostall\n"
+        "from nostall._tools.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['bench', '--help'], ['tune', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (argv, e.code)\n"
+        "print('torch' in sys.modules, nostall.NostallError.__module__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert 0 == done.returncode, done.stderr
+    assert "False nostall" == done.stdout.splitlines()[-1]
+    assert "nostall 0.1.0" in done.stdout
 
 
 def test_the_gpu_toolkit_is_its_own_tier() -> None:

@@ -35,10 +35,11 @@ in the producer thread, ``_engine.producer_thread`` (its loop) -> ``_engine.prod
 read from a flag; ``benchmarks/handoff_calls.py`` counts the calls, and a test holds them.
 """
 
+import importlib as _importlib
 import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
-from . import cuda, transforms
-from ._engine.profile import Profiled, StallReport, profile
 from ._exceptions import (
     DeviceUnavailableError,
     NostallError,
@@ -47,10 +48,14 @@ from ._exceptions import (
     ProducerDiedError,
     ProfilingDisabledError,
 )
-from ._loading.collate import collate_uint8
-from ._prefetcher import Prefetcher, prefetch
-from ._tools.thread_safety import ThreadSafety
-from ._tools.tune import Setting, TuneResult, tune
+
+if _TYPE_CHECKING:
+    from . import cuda, transforms
+    from ._engine.profile import Profiled, StallReport, profile
+    from ._loading.collate import collate_uint8
+    from ._prefetcher import Prefetcher, prefetch
+    from ._tools.thread_safety import ThreadSafety
+    from ._tools.tune import Setting, TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -76,10 +81,48 @@ __all__ = [
     "tune",
 ]
 
-# Users meet these as ``nostall.X`` (in reprs, tracebacks, docs): say so, whichever private
-# module defines them. Pickles name them there too, which the exports above resolve.
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type) or (callable(_obj) and not isinstance(_obj, _types.ModuleType)):
-        _obj.__module__ = __name__
-del _name, _obj
+#: Where each public name that needs torch lives. They are imported on first use (``import
+#: nostall`` itself loads no torch, so that ``nostall --help`` answers at once); the first
+#: ``nostall.prefetch`` imports torch and the data path, as ``import nostall`` did.
+_HOME = {
+    "Prefetcher": "._prefetcher",
+    "Profiled": "._engine.profile",
+    "Setting": "._tools.tune",
+    "StallReport": "._engine.profile",
+    "ThreadSafety": "._tools.thread_safety",
+    "TuneResult": "._tools.tune",
+    "collate_uint8": "._loading.collate",
+    "cuda": ".cuda",
+    "prefetch": "._prefetcher",
+    "profile": "._engine.profile",
+    "transforms": ".transforms",
+    "tune": "._tools.tune",
+}
+
+
+def _public(value: _Any) -> _Any:
+    """``value`` shown as ``nostall``'s own (its ``__module__``), unless a module."""
+    if isinstance(value, type) or (callable(value) and not isinstance(value, _types.ModuleType)):
+        value.__module__ = __name__
+    return value
+
+
+def __getattr__(name: str) -> _Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _importlib.import_module(home, __name__)
+    value = _public(module if home == f".{name}" else getattr(module, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+for _name in ("DeviceUnavailableError", "NostallError", "PrefetchTimeoutError"):
+    _public(globals()[_name])
+for _name in ("PrefetcherClosedError", "ProducerDiedError", "ProfilingDisabledError"):
+    _public(globals()[_name])
+del _name

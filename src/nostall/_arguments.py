@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
-from torch.utils.data import Dataset
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a check needs it, not here: the command line's flags (flag_count and
+# the others) are parsed by `nostall --help` and `--version`, which must not load torch.
 
 
 def kind(value: object) -> str:
@@ -38,6 +41,9 @@ def not_batches(value: object) -> str | None:
     ``Dataset`` iterated through ``__getitem__`` yields its samples one at a time: a model
     would train on batches of one, or fail on their shape far from the cause.
     """
+    import torch
+    from torch.utils.data import Dataset
+
     if isinstance(value, Dataset) and getattr(type(value), "__iter__", None) is None:
         return "its samples, one at a time (not batches: a Dataset is what a DataLoader loads)"
     if not isinstance(value, (str, bytes, bytearray, Mapping, torch.Tensor)):
@@ -53,6 +59,8 @@ def not_batches(value: object) -> str | None:
 
 def source(value: object, owner: str = "nostall.prefetch") -> None:
     """An iterable of batches (a DataLoader, a list...), not one batch or a container of keys."""
+    from torch.utils.data import Dataset
+
     cls = type(value)
     yields = not_batches(value)
     if yields is not None:
@@ -117,6 +125,8 @@ def flag(owner: str, name: str, value: object, *, optional: bool = False) -> Non
 
 def dtype(owner: str, name: str, value: object, *, floating: bool) -> torch.dtype:
     """A ``torch.dtype`` (a floating one where ``floating``)."""
+    import torch
+
     if not isinstance(value, torch.dtype):
         raise TypeError(
             f"{owner}({name}=...) must be a torch.dtype ({received(value)}); pass e.g. "

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._arguments import flag_count, flag_list, flag_number, flag_positive
-from .._device import DeviceLike
+
+if TYPE_CHECKING:  # the command line's flags are made without loading torch (--help)
+    from .._device import DeviceLike
 
 _share, _naturals = flag_number(float, 0, strict=False), flag_number(int, 0, strict=False)
 
