@@ -43,21 +43,27 @@ def _no_thread_left_behind() -> Iterator[None]:
 #: by default it orders them by their number of tests), so that the short files fill in at the
 #: end instead of one worker running a long file alone while the other has nothing left.
 SLOWEST_FIRST = (
-    "test_benchmark_scripts.py",
     "test_exit.py",
+    "test_benchmark_scripts.py",
     "test_lightning.py",
-    "test_accelerate.py",
-    "test_torchrun.py",
-    "test_prefetcher.py",
-    "test_fabric.py",
     "test_epochs.py",
+    "test_torchrun.py",
+    "test_fabric.py",
+    "test_accelerate.py",
+    "test_prefetcher.py",
     "test_examples.py",
     "test_transformers.py",
     "test_doctor.py",
-    "test_cli.py",
-    "test_thread_safety.py",
     "test_threads.py",
     "test_streaming.py",
+    "test_cli.py",
+    "test_threaded_stream.py",
+    "test_thread_safety.py",
+    "test_profile.py",
+    "test_tune.py",
+    "test_warn.py",
+    "test_sharding.py",
+    "test_bench_trials.py",
 )
 
 
