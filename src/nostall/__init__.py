@@ -112,9 +112,12 @@ def __getattr__(name: str) -> _Any:
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = _importlib.import_module(home, __name__)
-    value = _public(module if home == f".{name}" else getattr(module, name))
-    globals()[name] = value
-    return value
+    # Every public name of that module at once, so that each shows as nostall's from the
+    # start (a Prefetcher made by prefetch() pickles and prints as nostall.Prefetcher).
+    for each, where in _HOME.items():
+        if where == home:
+            globals()[each] = _public(module if where == f".{each}" else getattr(module, each))
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
