@@ -612,7 +612,7 @@ class BlockingInAWorker(Dataset[torch.Tensor]):
 def test_the_epoch_after_a_timeout_in_a_worker_starts_anew(tmp_path: Path) -> None:
     """A sample stuck in a worker process: the next epoch starts without it, as a DataLoader's."""
     loader = DataLoader(BlockingInAWorker(str(tmp_path / "blocked")), batch_size=2, num_workers=2)
-    p = nostall.prefetch(loader, timeout=15)  # generous: worker start-up on a loaded machine
+    p = nostall.prefetch(loader, timeout=8)  # generous: worker start-up on a loaded machine
     it = iter(p)
     assert BLOCKING_BATCHES[:2] == [next(it).tolist(), next(it).tolist()]
     with pytest.raises(PrefetchTimeoutError, match=r"batch 2"):
