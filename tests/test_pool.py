@@ -13,6 +13,7 @@ import pytest
 from helpers import refused_thread_starts, wait_until
 
 import nostall._loading.pool as pool_module
+from nostall import _exit
 from nostall._exit import interrupt
 from nostall._loading.pool import Pool
 
@@ -86,4 +87,7 @@ def test_a_thread_ended_by_an_interrupt_gives_its_place_back(
     assert interrupt(thread)
     thread.join(30)
     assert not thread.is_alive()
+    exiting = threading.Event()
+    exiting.set()  # as after nostall's exit hook, where an exit handler of the user's loads
+    monkeypatch.setattr(_exit, "exiting", exiting)
     assert 2 == pool.submit(lambda worker: 2).result(timeout=30)

@@ -45,12 +45,13 @@ class Pool:
           interpreter begins to exit: ``_exit.exiting``), or when :meth:`abandon` stopped
           counting it (after its task returns). An abandoned thread's id is free at once: a
           new thread may hold it while the abandoned one still runs.
-        * ``counted`` holds each counted thread by its id; ``live`` and ``free_ids`` are
-          counted again from it at each :meth:`submit`. A thread that ended without giving
-          its place back (interrupted at exit, ``ThreadLetGo``, between two of its steps)
-          gives it there, and a task it had taken and not finished fails: code that loads
-          after nostall's exit hook ran (an exit handler registered before it) gets threads
-          again, and no waiter waits for a task nobody runs.
+        * ``counted`` holds each counted thread by its id; once the interpreter began to exit,
+          ``live`` and ``free_ids`` are counted again from it at each :meth:`submit`. A
+          thread that ended without giving its place back (interrupted at exit,
+          ``ThreadLetGo``, between two of its steps) gives it there, and a task it had taken
+          and not finished fails: code that loads after nostall's exit hook ran (an exit
+          handler registered before it) gets threads again, and no waiter waits for a task
+          nobody runs.
         * ``running`` maps the future of each task being run to its thread and worker id.
         * A task submitted with its epoch's ``dropped`` event, still running once that event
           is set while a task waits for a thread with none idle (asked by the waiter,
@@ -100,7 +101,8 @@ class Pool:
         """
         future = Future() if future is None else future
         with self.lock:
-            self._reclaim()
+            if _exit.exiting.is_set():  # only exit interrupts a counted thread (see _reclaim)
+                self._reclaim()
             self.tasks.append((future, task))
             if dropped is not None:
                 self.epoch_of[future] = dropped
@@ -126,11 +128,11 @@ class Pool:
     def _reclaim(self) -> None:
         """Count the threads again: those that ended counted give their places back.
 
-        The caller holds ``lock``. A task such a thread had taken and not finished fails.
+        The caller holds ``lock``. A task such a thread had taken and not finished fails. Only
+        exit's interrupts end a counted thread so (:meth:`abandon` stops counting one first),
+        so :meth:`submit` asks only once the interpreter began to exit: no cost per sample.
         """
-        for worker, thread in list(self.counted.items()):
-            if thread.is_alive():
-                continue
+        for worker, thread in [(w, t) for w, t in self.counted.items() if not t.is_alive()]:
             del self.counted[worker]
             for future in [f for f, (t, _, _) in self.running.items() if t is thread]:
                 self.running.pop(future)
