@@ -50,6 +50,16 @@ class Jittered(Features):
         return super().__getitem__(i) + torch.randn(FEATURES)
 
 
+class Dropped(Features):
+    """An augmentation drawing through a torch function that takes no generator= (F.dropout).
+
+    Under threads= its draws escape the sample's own generator: the samples stay in step.
+    """
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return nn.functional.dropout(super().__getitem__(i), 0.1)
+
+
 def mask(batch: list[torch.Tensor]) -> torch.Tensor:
     """Masks a random tenth of the values, as a language-modelling collator masks tokens."""
     stacked = torch.stack(batch)
@@ -120,10 +130,10 @@ def test_a_dataset_drawing_from_the_global_generator_sees_the_plain_loops_draws(
 
 
 @pytest.mark.parametrize("threads", [2, 4])
-def test_threads_over_a_dataset_drawing_from_the_global_generator_are_exact(threads: int) -> None:
+def test_threads_over_a_dataset_whose_draws_escape_are_exact(threads: int) -> None:
     """Its samples are loaded one at a time, in order: the plain loop's draws."""
-    expected = train(lambda: loader(Jittered()))
-    assert expected == nostall_losses(loader(Jittered()), threads=threads)
+    expected = train(lambda: loader(Dropped()))
+    assert expected == nostall_losses(loader(Dropped()), threads=threads)
 
 
 def test_a_clear_source_through_threads_matches_itself_and_warns_nothing() -> None:
@@ -151,12 +161,15 @@ def test_the_warning_names_what_drew_and_the_fix_once_at_the_users_line() -> Non
     assert "num_workers=2" in message
 
 
-def test_under_threads_the_warning_names_thread_safe_generator() -> None:
+def test_under_threads_the_warning_names_what_escapes_and_the_fix() -> None:
     with pytest.warns(GlobalDrawsWarning, match=r"torch\.thread_safe_generator\(\)") as seen:
-        for _ in nostall.prefetch(loader(Jittered()), "cpu", threads=2):
+        for _ in nostall.prefetch(loader(Dropped()), "cpu", threads=2):
             pass
     assert __file__ == seen[0].filename
-    assert "nothing is loaded in parallel or ahead" in str(seen[0].message)
+    message = str(seen[0].message)
+    assert "nothing is loaded in parallel or ahead" in message
+    assert "F.dropout" in message
+    assert "torch.rand/torch.randint" in message
 
 
 @pytest.mark.parametrize(
@@ -330,7 +343,7 @@ class DrawingBatches(Sampler[list[int]]):
             yield [2 * k, 2 * k + 1]
 
 
-class CountedJitter(Jittered):
+class CountedDropped(Dropped):
     def __init__(self) -> None:
         super().__init__()
         self.fetched = 0
@@ -345,9 +358,9 @@ class CountedJitter(Jittered):
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: DataLoader(CountedJitter(), batch_size=1),
-        lambda: DataLoader(CountedJitter(), batch_size=3, shuffle=True),
-        lambda: DataLoader(CountedJitter(), batch_size=5),
+        lambda: DataLoader(CountedDropped(), batch_size=1),
+        lambda: DataLoader(CountedDropped(), batch_size=3, shuffle=True),
+        lambda: DataLoader(CountedDropped(), batch_size=5),
         lambda: DataLoader(Features(), batch_sampler=DrawingBatches()),  # none ahead
     ],
     ids=["one-per-batch", "shuffled", "batch-past-threads", "drawing-sampler"],
@@ -355,7 +368,7 @@ class CountedJitter(Jittered):
 def test_threads_fetch_the_first_batches_on_trial_and_stay_exact(
     build: Callable[[], DataLoader[Any]],
 ) -> None:
-    """The first batch's first sample is judged alone; a dataset that draws stays in step.
+    """The first batch's first sample is judged alone; one whose draws escape stays in step.
 
     Its samples are then fetched one at a time, in order, each once (nothing is put back and
     fetched again); the losses are the plain loop's. A sampler of the user's may draw at every
@@ -365,7 +378,7 @@ def test_threads_fetch_the_first_batches_on_trial_and_stay_exact(
     source = build()
     assert expected == nostall_losses(source, threads=4)
     dataset = source.dataset
-    if isinstance(dataset, CountedJitter):
+    if isinstance(dataset, CountedDropped):
         assert SAMPLES == dataset.fetched
 
 

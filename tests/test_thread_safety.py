@@ -53,13 +53,20 @@ class SharedPosition(Dataset[torch.Tensor]):
 
 
 class GlobalNoise(Dataset[torch.Tensor]):
-    """Draws from torch's global generator, which threads share."""
+    """Draws from torch's global generator, as a random augmentation does."""
 
     def __len__(self) -> int:
         return 1000
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.rand(2) + i
+
+
+class HeldGlobalNoise(GlobalNoise):
+    """Draws from torch's global generator itself, which threads share (nostall cannot route)."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2, generator=torch.default_generator) + i
 
 
 class OwnNoise(Dataset[torch.Tensor]):
@@ -118,8 +125,14 @@ def test_a_shared_position_is_caught(batch_size: int | None) -> None:
     assert "read with os.pread, or open each handle on first use in each thread" in line
 
 
-def test_draws_from_the_global_generator_cannot_be_checked() -> None:
+def test_draws_from_the_global_generator_are_each_samples_own_and_checked() -> None:
+    """torch.rand() in a loading thread draws from the sample's generator: loads agree."""
     result = check_thread_safety(lambda: DataLoader(GlobalNoise(), batch_size=8), 4)
+    assert "agreed" == result.verdict, result.describe()
+
+
+def test_draws_that_escape_the_samples_generator_cannot_be_checked() -> None:
+    result = check_thread_safety(lambda: DataLoader(HeldGlobalNoise(), batch_size=8), 4)
     assert "random" == result.verdict
     assert not result.unsafe  # not known to be unsafe: threads are still tried
     assert "torch.thread_safe_generator()" in result.describe()

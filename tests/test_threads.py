@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import re
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
@@ -25,6 +28,7 @@ from nostall._epochs.skip import skip_ahead
 from nostall._loading.pool import Pool
 from nostall._loading.threads import ThreadedEpoch, sample_seed
 from nostall._sources.global_draws import unwatched
+from nostall.bench._workloads import AugmentedJpegImages, jpeg_files
 
 
 class Numbers(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -814,3 +818,135 @@ def test_pin_memory_without_an_accelerator_is_warned_as_the_loader_warns() -> No
         expected = list(loader)
     with nostall.prefetch(loader, threads=2) as p, pytest.warns(UserWarning, match=message):
         assert_same_batches(expected, list(p))
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Sample i with draws from torch's, Python's and NumPy's global generators.
+
+    The second, third and fourth fetches (the first batch's, after its first sample, judged
+    alone) wait (30 s at most) until all three are fetched at once: loaded one at a time,
+    they raise instead (a broken barrier).
+    """
+
+    def __init__(self, n: int = 48) -> None:
+        self.n = n
+        self.together = threading.Barrier(3, timeout=30)
+        self.fetches = itertools.count()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if next(self.fetches) in (1, 2, 3):
+            self.together.wait()
+        draws = [torch.rand(()).item(), random.random(), float(np.random.rand())]
+        return torch.tensor([i, *draws], dtype=torch.float64)
+
+
+def masked(samples: list[torch.Tensor]) -> torch.Tensor:
+    """A collate_fn that draws, as a language-modelling collator masks tokens."""
+    stacked = torch.stack(samples)
+    return stacked * torch.bernoulli(torch.full(stacked.shape, 0.9, dtype=stacked.dtype))
+
+
+def augmented_epochs(threads: int, epochs: int = 2, **loader: Any) -> list[torch.Tensor]:
+    """Two epochs of Augmented, seeded as a user seeds a run; no warning is given."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    source = DataLoader(Augmented(), batch_size=4, shuffle=True, **loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prefetcher = nostall.prefetch(source, "cpu", threads=threads)
+        batches = [torch.cat(list(prefetcher)) for _ in range(epochs)]
+    assert not prefetcher._lineage.epochs.draws.in_step  # prefetching
+    return batches
+
+
+@pytest.mark.parametrize("collate", [None, masked], ids=["default", "drawing-collate"])
+def test_global_draws_under_threads_load_in_parallel_and_repeat_whatever_the_count(
+    collate: Any,
+) -> None:
+    """The samples' and collate's draws are their own: the same batches with 2, 3 or 4 threads.
+
+    Each sample draws from the global entry points (torch.rand, random.random,
+    np.random.rand), routed to its own generators: loaded in parallel (three samples of the
+    first batch meet), no warning, and a run repeats itself, epoch by epoch.
+    """
+    loader = {} if collate is None else {"collate_fn": collate}
+    runs = [augmented_epochs(threads, **loader) for threads in (3, 4, 3)]
+    for run in runs[1:]:
+        for expected, epoch in zip(runs[0], run, strict=True):
+            torch.testing.assert_close(expected, epoch, rtol=0, atol=0)
+    first, second = runs[0]
+    assert not torch.equal(first[:, 1:], second[:, 1:])  # another epoch, other draws
+
+
+def test_global_draws_of_a_resumed_epoch_are_the_uninterrupted_ones() -> None:
+    def build() -> Any:
+        return DataLoader(Augmented(), batch_size=4, shuffle=True, collate_fn=masked)
+
+    torch.manual_seed(2)
+    whole = list(nostall.prefetch(build(), "cpu", threads=3))
+    torch.manual_seed(2)
+    first = nostall.prefetch(build(), "cpu", threads=3)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    torch.manual_seed(99)  # the resumed run's own seed: the state decides
+    resumed = nostall.prefetch(build(), "cpu", threads=4)
+    resumed.load_state_dict(state)
+    torch.testing.assert_close(torch.cat(whole[2:]), torch.cat(list(resumed)), rtol=0, atol=0)
+
+
+class RecordedAugmentedJpeg(AugmentedJpegImages):
+    """The bench's augmented JPEG pipeline, each sample's area fraction and flip recorded."""
+
+    def __init__(self, paths: list[Any], length: int) -> None:
+        super().__init__(paths, size=16, length=length)
+        self.drawn: list[tuple[float, bool]] = []
+
+    def augmentation(self, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
+        box, flip = super().augmentation(width, height)
+        left, top, right, bottom = box
+        self.drawn.append(((right - left) * (bottom - top) / (width * height), flip))
+        return box, flip
+
+
+def test_a_torchvision_style_jpeg_pipeline_repeats_and_draws_as_the_plain_loop(
+    tmp_path: Any,
+) -> None:
+    """Random resized crops and flips from torch's global generator, on PIL images.
+
+    Under threads= the batches repeat run to run whatever the count; each sample's draws have
+    the plain loop's distribution (other values: each sample draws from its own generator).
+    """
+    paths = jpeg_files(str(tmp_path), 6)
+    length = 192
+
+    def run(threads: int | None) -> tuple[list[Any], list[tuple[float, bool]]]:
+        torch.manual_seed(0)
+        dataset = RecordedAugmentedJpeg(paths, length)
+        loader = DataLoader(dataset, batch_size=8, shuffle=True)
+        if threads is None:
+            return list(loader), dataset.drawn
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return list(nostall.prefetch(loader, "cpu", threads=threads)), dataset.drawn
+
+    plain, plain_drawn = run(None)
+    threaded, drawn = run(2)
+    assert_same_batches(threaded, run(4)[0])
+    assert_same_batches(threaded, run(2)[0])
+    assert [b[1].tolist() for b in plain] == [b[1].tolist() for b in threaded]  # the order
+    assert length == len(drawn) == len(plain_drawn)
+    # The same distribution (seeded: these figures are the same on every run): the flip
+    # rate, and the crop's area fraction, uniform over 35-100% of the image in both.
+    flips = [sum(flip for _, flip in d) / length for d in (plain_drawn, drawn)]
+    assert all(0.4 < rate < 0.6 for rate in flips), flips
+    areas = [sorted(area for area, _ in d) for d in (plain_drawn, drawn)]
+    distance = max(abs(a - b) for a, b in zip(*areas, strict=True))
+    assert distance < 0.05, distance  # the two sorted samples' largest gap (a Q-Q plot's)
+    assert 0.33 <= min(areas[1])  # 35%, less the rounding of a small crop
+    assert max(areas[1]) <= 1.0
+    assert plain_drawn != drawn  # not the plain loop's values

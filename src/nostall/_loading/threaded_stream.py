@@ -15,7 +15,10 @@ Invariants:
       batch collated by the loader's ``collate_fn``), and the workers take turns in order.
     * An epoch draws from the global generator what the loader's ``iter()`` draws: its base
       seed, from ``loader.generator``. Worker w's generators (``torch.thread_safe_generator()``,
-      ``get_worker_info().rng``) are seeded ``base_seed + w``, as torch seeds worker w.
+      ``get_worker_info().rng``) are seeded ``base_seed + w``, as torch seeds worker w, and
+      its global draws (torch's, ``random``'s and ``np.random``'s entry points: see
+      :mod:`~nostall._loading.own_draws`) go to them, its collate's too: torch's and
+      ``random``'s draws are those of worker process w, which seeds them so.
     * Each worker's iterator is made and advanced in one thread, its own, for the whole
       epoch (as in a worker process), so that a handle opened in ``__iter__`` (a database
       connection, a file) stays in the thread that opened it.
@@ -65,8 +68,9 @@ from .._torch_compat import (
     pinning_like,
     worker_info_asked,
 )
+from .own_draws import SampleRng, install, routed
 from .pool import Pool
-from .threads import POLL_S, STALE_S, SampleRng
+from .threads import POLL_S, STALE_S
 
 
 class NotSplitError(ValueError):
@@ -124,6 +128,7 @@ class ThreadedStream(Iterator[Any]):
         inline: Callable[[], bool] = lambda: False,
     ) -> None:
         answer_worker_info_per_thread()
+        install()  # random's and np.random's draws per worker in the loading threads
         self.pool, self.inline = pool, inline
         self.fetcher = _Fetcher(loader, pool.size)
         # What DataLoader.__iter__ draws, in its order: the sampler's iterator (an infinite
@@ -247,12 +252,15 @@ class _Fetcher:
                 return _Turn.END, None
             try:
                 try:
-                    with loading_thread_info(
-                        worker=worker.index,
-                        workers=self.workers,
-                        seed=worker.seed,
-                        dataset=self.dataset,
-                        rng=worker.rng,
+                    with (
+                        loading_thread_info(
+                            worker=worker.index,
+                            workers=self.workers,
+                            seed=worker.seed,
+                            dataset=self.dataset,
+                            rng=worker.rng,
+                        ),
+                        routed(worker.rng),
                     ):
                         if worker.iterator is None:
                             worker.iterator = iter(self.dataset)
@@ -266,7 +274,8 @@ class _Fetcher:
                     return _Turn.END, None
                 if not worker.asked and self.workers > 1:
                     return _Turn.ERROR, NotSplitError(self.dataset, self.workers)
-                batch = self.collate(batch)  # outside the worker's info: see the invariants
+                with routed(worker.rng):  # the worker's draws, in its order, as in a process
+                    batch = self.collate(batch)  # outside the worker's info: see the invariants
                 if self.pin is not None:
                     batch = self.pin(batch)
             except ThreadLetGo:

@@ -15,19 +15,23 @@ Invariants:
     * Each sample is fetched with its own random state, seeded from the epoch's base seed and
       the sample's place in the epoch (its batch, and its place in the batch: a resumed epoch
       gives the same seeds): ``torch.thread_safe_generator()`` (and
-      ``torch.utils.data.get_worker_info().rng``) give it in the loading threads, so an
-      augmentation drawn from it does not depend on the thread or on N, and runs repeat.
-      Python's ``random``, ``np.random`` and torch's global generator stay shared by all
-      threads: while ``inline()`` (a dataset that may draw from them, see
+      ``torch.utils.data.get_worker_info().rng``) give it in the loading threads, and the
+      sample's draws through the global entry points (``torch.rand``, ``random.random``,
+      ``np.random.rand``, ...) go to it (:mod:`~nostall._loading.own_draws`); a batch's
+      ``collate_fn`` draws from a state of its own alike (place ``COLLATE``). So an
+      augmentation draws the same values whatever thread loads it and whatever N, runs
+      repeat, and the values are not those of ``num_workers=0`` (as a worker process's are
+      not). A draw that escapes that routing still reaches the shared global generators:
+      while ``inline()`` (a source that may draw from them, see
       :mod:`nostall._sources.global_draws`) the samples are loaded one at a time, in order,
       while the thread that asks for the batch waits (in that thread; under the loader's
       ``timeout=``, each in a loading thread, so that the timeout covers it), so that such
-      draws stay the plain loop's. On a
-      ``trial()`` (not known yet whether they draw) the batch's first sample is fetched that
-      way and judged: it drew, the rest follow it that way; it drew nothing, the threads fetch
-      the rest (and the next batches, N samples at most), all of them returned before
-      ``next()`` returns, so that the pull's own judgement covers them. No generator is ever
-      put back: another thread's draws are never drawn again.
+      draws stay in the plain loop's order. On a ``trial()`` (not known yet whether they
+      escape) the batch's first sample is fetched that way and judged: it drew from a global
+      generator, the rest follow it that way; it did not, the threads fetch the rest (and the
+      next batches, N samples at most), all of them returned before ``next()`` returns, so
+      that the pull's own judgement covers them. No generator is ever put back: another
+      thread's draws are never drawn again.
     * At most ``room()`` batches beyond the one asked for are started to fill the
       prefetcher's free slots (so that those batches stay within ``depth``). Beyond them,
       while fewer than N samples are in flight (queued or being fetched), the following
@@ -57,7 +61,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import random
 import threading
 import time
 import weakref
@@ -81,6 +84,7 @@ from .._torch_compat import (
     loading_thread_info,
     pinning_like,
 )
+from .own_draws import SampleRng, install, routed
 from .pool import Pool, SampleFuture
 
 #: Seconds between two looks at a sample that has not returned (its timeout, an exit).
@@ -100,27 +104,8 @@ MAX_THREADS = 256
 _NONE: Any = object()
 
 
-class SampleRng:
-    """One sample's random generators, as torch's thread-worker ``WorkerInfo.rng`` holds them."""
-
-    __slots__ = ("_numpy", "random_generator", "seed", "torch_generator")
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.torch_generator = torch.Generator().manual_seed(seed)
-        self.random_generator = random.Random(seed)
-        self._numpy: Any = None
-
-    @property
-    def numpy_generator(self) -> Any:
-        """A NumPy ``Generator`` seeded alike, made on first use (None without NumPy)."""
-        if self._numpy is None:
-            try:
-                import numpy as np
-            except ImportError:
-                return None
-            self._numpy = np.random.default_rng(self.seed)
-        return self._numpy
+#: ``sample_seed``'s ``within`` for a batch's ``collate_fn`` (a sample's is its place, >= 0).
+COLLATE = -1
 
 
 def sample_seed(base_seed: int, batch: int, within: int) -> int:
@@ -189,6 +174,7 @@ class ThreadedEpoch(Iterator[Any]):
         """
         self.inline, self.trial = inline, trial
         answer_worker_info_per_thread()  # get_worker_info() per loading thread
+        install()  # random's and np.random's draws per sample in the loading threads
         self.pool = pool
         self.dataset, self.collate = loader.dataset, loader.collate_fn
         self.pin = pinning_like(loader)  # pin_memory=True: pinned as the loader's would be
@@ -246,10 +232,11 @@ class ThreadedEpoch(Iterator[Any]):
             self._wait(future)  # a timeout raised here keeps the batch's turn
         self.pending.popleft()
         samples = [self._result(f) for f in futures]  # the first failed sample's error, if any
-        if self.auto and self.getitems is None:
-            batch = self.collate(samples)
-        else:
-            batch = self.collate(samples[0])  # a batch from __getitems__, or one unbatched sample
+        with routed(SampleRng(sample_seed(self.base_seed, started.number, COLLATE))):
+            if self.auto and self.getitems is None:
+                batch = self.collate(samples)
+            else:
+                batch = self.collate(samples[0])  # a batch from __getitems__, or one sample
         return batch if self.pin is None else self.pin(batch)
 
     def _await_trial(self, trial: Trial) -> None:
@@ -437,8 +424,11 @@ class ThreadedEpoch(Iterator[Any]):
             if dropped.is_set():
                 raise _Dropped  # nobody should take it; one who does learns why (_result)
             rng = SampleRng(seed)
-            with loading_thread_info(
-                worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng
+            with (
+                loading_thread_info(
+                    worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng
+                ),
+                routed(rng),  # its global draws too: see the invariants
             ):
                 try:
                     return fetch(index)

@@ -11,6 +11,10 @@ order the threads run: other values than the plain loop, and other values on eve
 
 What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided once):
 
+* Under ``threads=``, a sample's draws through the global entry points (``torch.rand``,
+  ``random.random``, ``np.random.rand``, ...) go to a generator of the sample's own
+  (:mod:`nostall._loading.own_draws`), as do a batch's collate's: they move no global
+  generator, and what this watch sees is what escapes that routing.
 * While it is not known whether the source draws, it is pulled **in step** with the loop: a
   batch is pulled only when the loop asks for it (by the loop's thread, or by the producer
   while the loop waits), so every draw happens where the plain loop makes it. Under
@@ -239,16 +243,22 @@ class DrawWatch:
         who = _who(self.kind) + (", or the transform= given to nostall" if self.transform else "")
         if self.threads is not None:
             done = (
-                f"so with threads={self.threads} they would draw in whatever order the threads "
-                f"run. nostall loads this loader's samples one at a time instead, in your loop's "
-                f"thread and only when the loop asks for a batch, as the DataLoader itself does: "
-                f"the same draws as without nostall, but nothing is loaded in parallel or ahead"
+                f"in a way nostall cannot give each sample a generator of its own for (a torch "
+                f"function that takes no generator=, such as F.dropout; a random op on a CUDA "
+                f"tensor; a function bound before nostall started, such as `from random import "
+                f"randint`; the generator object itself), so with threads={self.threads} those "
+                f"draws would come in whatever order the threads run. nostall loads this "
+                f"loader's samples one at a time instead, in your loop's thread and only when "
+                f"the loop asks for a batch: the same draws on every run, but nothing is loaded "
+                f"in parallel or ahead"
             )
             fix = (
-                "To load with threads, draw from torch.thread_safe_generator() (under threads= "
-                "each sample gets its own generator, the same on every run), or leave threads "
-                "out and load in worker processes (num_workers=2: each worker draws from its "
-                "own seed, reproducibly, though not the values num_workers=0 draws)"
+                "To load with threads, draw through torch.rand/torch.randint/torch.randn, "
+                "Tensor.uniform_, random.random or np.random.rand looked up when called (under "
+                "threads= each sample then draws from a generator of its own, the same on every "
+                "run), or from torch.thread_safe_generator(); or leave threads out and load in "
+                "worker processes (num_workers=2: each worker draws from its own seed, "
+                "reproducibly, though not the values num_workers=0 draws)"
             )
         else:
             done = (

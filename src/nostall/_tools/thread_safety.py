@@ -7,8 +7,10 @@ and the doctor must not recommend threads for it, so before trying threads they 
 first samples (at most :data:`MAX_SAMPLES`), batched and collated as the loader does:
 
 1. twice with ``threads=1`` from the same loader (each sample its own random state, as
-   ``threads=`` gives), the global generators (torch's, Python's ``random``, NumPy's)
-   watched: a dataset or collate_fn that draws from them, or whose samples differ between the
+   ``threads=`` gives, its draws from the global entry points routed to it: see
+   :mod:`nostall._loading.own_draws`), the global generators (torch's, Python's ``random``,
+   NumPy's) watched: a dataset or collate_fn that still draws from them, or whose samples
+   differ between the
    two loads (a generator of its own), cannot be checked (``random``): a difference under
    threads would not say whether threads caused it. If one loading thread alone raises, the
    samples are loaded once more in the calling thread, as the plain loop loads them: loaded
@@ -211,9 +213,11 @@ def _check(
         if drawn():
             return inconclusive(
                 "the dataset or collate_fn draws from a global random generator (torch's, "
-                "random's or NumPy's, as torchvision's v1 transforms do), which threads "
-                "share; draw from torch.thread_safe_generator() to make its samples "
-                "reproducible with threads, and checkable",
+                "random's or NumPy's) in a way that nostall's loading threads cannot give "
+                "each sample a generator of its own for (a torch function that takes no "
+                "generator=, a function bound before nostall started, the generator object "
+                "itself), and threads share it; draw from torch.thread_safe_generator() to "
+                "make its samples reproducible with threads, and checkable",
                 drawn(),
             )
         # The same dataset object again: a generator of its own has moved on meanwhile.

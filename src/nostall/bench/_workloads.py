@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import random
 import time
@@ -105,6 +106,57 @@ class JpegImages(Dataset[tuple[torch.Tensor, int]]):
         )
         pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
         return pixels.view(self.size, self.size, 3).permute(2, 0, 1), index % 10
+
+
+def random_resized_crop_box(
+    width: int, height: int, scale: tuple[float, float] = (0.35, 1.0)
+) -> tuple[int, int, int, int]:
+    """A crop box (left, top, right, bottom) drawn as torchvision's ``RandomResizedCrop`` draws.
+
+    From torch's global generator (``Tensor.uniform_``, ``torch.randint``), as torchvision's
+    transforms draw: an area within ``scale`` of the image's and an aspect ratio within
+    3/4-4/3 (drawn on a log scale), up to ten tries, then the centre crop.
+    """
+    area = width * height
+    log_ratio = (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):
+        target = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        ratio = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+        w = round(math.sqrt(target * ratio))
+        h = round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+            top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+            return left, top, left + w, top + h
+    side = min(width, height)
+    left, top = (width - side) // 2, (height - side) // 2
+    return left, top, left + side, top + side
+
+
+class AugmentedJpegImages(JpegImages):
+    """:class:`JpegImages` with torchvision's usual augmentations, drawn from global generators.
+
+    A ``RandomResizedCrop`` (:func:`random_resized_crop_box`) and a horizontal flip with
+    probability 1/2 (``torch.rand(1) < 0.5``, as ``RandomHorizontalFlip`` draws), then to a
+    CHW uint8 tensor: what an image-classification pipeline does, without torchvision.
+    """
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.paths[index % len(self.paths)]) as image:
+            image = image.convert("RGB")
+        box, flip = self.augmentation(*image.size)
+        image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box)
+        if flip:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        return pixels.view(self.size, self.size, 3).permute(2, 0, 1), index % 10
+
+    def augmentation(self, width: int, height: int) -> tuple[tuple[int, int, int, int], bool]:
+        """The crop box and whether to flip, for an image of ``width`` x ``height``: drawn."""
+        box = random_resized_crop_box(width, height)
+        return box, torch.rand(1).item() < 0.5
 
 
 def train_step(width: int, device: torch.device) -> Callable[[Any], float]:

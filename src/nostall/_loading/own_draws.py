@@ -1,0 +1,248 @@
+"""A sample's own random state, and the global draws of a loading thread routed to it.
+
+Why: torch's global generator, Python's ``random`` and NumPy's ``np.random`` are each one stream
+shared by every thread of the process. Samples loaded in parallel by ``threads=N`` that draw from
+them (a random crop or flip, as torchvision's and most augmentation libraries' transforms draw)
+would get whatever values the threads' timing hands them: other batches on every run. Worker
+processes avoid it by seeding each worker; here each sample gets its own generators instead
+(:class:`SampleRng`, seeded from the epoch's seed and the sample's place in the epoch), and
+:func:`routed` sends the global entry points to them while a loading thread runs the sample.
+
+What is routed, in the thread inside :func:`routed` only (every other thread, the training
+loop's included, draws from the global generators as before):
+
+* torch's random functions and in-place random methods called from Python without a
+  ``generator=`` (:data:`_TAKE_GENERATOR`: ``torch.rand``, ``randn``, ``randint``, ``randperm``,
+  ``normal``, ``bernoulli``, ``multinomial``, ``poisson``, the ``*_like`` ones,
+  ``Tensor.uniform_``, ``normal_``, ``random_``, ``bernoulli_``, ``exponential_`` and the
+  others, the ``torch.nn.init`` functions), for tensors made on the CPU: a
+  :class:`~torch.overrides.TorchFunctionMode`, which torch keeps per thread, passes them the
+  sample's ``torch.Generator``;
+* Python's ``random`` module functions (``random.random``, ``randint``, ``choice``, ``shuffle``,
+  ... and ``seed``, ``getstate``, ``setstate``): the sample's ``random.Random``;
+* NumPy's legacy module functions (``np.random.rand``, ``randint``, ``uniform``, ``shuffle``,
+  ... ``seed``, ``get_state``): the sample's ``np.random.RandomState``.
+
+The module functions of ``random`` and ``np.random`` are replaced, process-wide and once, by
+functions that pass through to the originals outside a routed thread (:func:`install`; NumPy's
+once it is imported). What is left out draws from the global generators, and a trial sees it
+(:mod:`nostall._sources.global_draws`: the samples are then loaded one at a time, in order, and
+a warning names the generator): torch functions that take no generator (``F.dropout``, the
+``torch.distributions`` samplers that call C++ samplers), a random op on a CUDA tensor, a
+function bound before :func:`install` ran (``from random import randint`` at import time), and
+code that holds the generators themselves (``torch.default_generator``,
+``np.random.mtrand._rand``). Generators of the user's own (``torch.Generator``, ``random.Random``,
+``np.random.default_rng(seed)``) are left alone: they are already their own streams.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class SampleRng:
+    """One sample's random generators, as torch's thread-worker ``WorkerInfo.rng`` holds them.
+
+    Invariant: every generator is seeded from ``seed`` alone, and the NumPy ones are made on
+    first use (most samples never draw from NumPy, and a ``RandomState`` costs tens of us).
+    """
+
+    __slots__ = ("_legacy", "_numpy", "random_generator", "seed", "torch_generator")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.torch_generator = torch.Generator().manual_seed(seed)
+        self.random_generator = random.Random(seed)
+        self._numpy: Any = None
+        self._legacy: Any = None
+
+    @property
+    def numpy_generator(self) -> Any:
+        """A NumPy ``Generator`` seeded alike, made on first use (None without NumPy)."""
+        if self._numpy is None:
+            try:
+                import numpy as np
+            except ImportError:
+                return None
+            self._numpy = np.random.default_rng(self.seed)
+        return self._numpy
+
+    @property
+    def legacy_numpy(self) -> Any:
+        """A NumPy ``RandomState`` seeded alike (what ``np.random.rand`` and its kin draw from)."""
+        if self._legacy is None:
+            import numpy as np
+
+            self._legacy = np.random.RandomState(np.random.MT19937(self.seed))
+        return self._legacy
+
+
+class _Here(threading.local):
+    #: The routed thread's sample generators; None outside :func:`routed`.
+    rng: SampleRng | None = None
+
+
+_here = _Here()
+
+
+@contextmanager
+def routed(rng: SampleRng) -> Iterator[None]:
+    """Meanwhile, in this thread only, the global random entry points draw from ``rng``.
+
+    Nested, the inner ``rng`` applies until it ends. :func:`install` must have run (the
+    module functions of ``random`` and ``np.random``); NumPy imported since is installed here.
+    """
+    if _numpy_pending():
+        install()
+    before, _here.rng = _here.rng, rng
+    try:
+        with _OwnTorch():
+            yield
+    finally:
+        _here.rng = before
+
+
+def current() -> SampleRng | None:
+    """The generators this thread's global draws go to now (None: the global ones)."""
+    return _here.rng
+
+
+def _torch_random() -> frozenset[Any]:
+    t = torch.Tensor
+    init = torch.nn.init
+    return frozenset(
+        (
+            torch.rand,
+            torch.randn,
+            torch.randint,
+            torch.randperm,
+            torch.normal,
+            torch.bernoulli,
+            torch.multinomial,
+            torch.poisson,
+            torch.binomial,
+            torch._standard_gamma,  # torch.distributions' Gamma, Beta, Dirichlet
+            torch._sample_dirichlet,
+            torch.rand_like,
+            torch.randn_like,
+            torch.randint_like,
+            t.uniform_,
+            t.normal_,
+            t.random_,
+            t.bernoulli_,
+            t.bernoulli,
+            t.exponential_,
+            t.geometric_,
+            t.log_normal_,
+            t.cauchy_,
+            t.multinomial,
+            init.uniform_,
+            init.normal_,
+            init.trunc_normal_,
+            init.kaiming_uniform_,
+            init.kaiming_normal_,
+            init.xavier_uniform_,
+            init.xavier_normal_,
+            init.orthogonal_,
+            init.sparse_,
+        )
+    )
+
+
+#: torch's random entry points that take ``generator=`` (each checked by the tests).
+_TAKE_GENERATOR = _torch_random()
+
+
+class _OwnTorch(TorchFunctionMode):
+    """Passes this thread's sample generator to torch's random calls that were given none."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _TAKE_GENERATOR and kwargs.get("generator") is None:
+            rng = _here.rng
+            if rng is not None and _on_cpu(args, kwargs):
+                kwargs = {**kwargs, "generator": rng.torch_generator}
+        return func(*args, **kwargs)
+
+
+def _on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the random op draws for a CPU tensor (the sample's generator is a CPU one)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].device.type == "cpu"
+    device = kwargs.get("device")
+    if device is None:
+        device = torch.get_default_device()
+    return torch.device(device).type == "cpu"
+
+
+#: Whether :func:`install` replaced ``random``'s functions, and NumPy's (once imported).
+_installed = {"random": False, "numpy": False}
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Replace ``random``'s and ``np.random``'s module functions by routing ones (once).
+
+    Each replacement calls the original outside :func:`routed`, so the process sees no change
+    but a Python call more per draw. NumPy is done once it is imported (``routed`` checks).
+    """
+    with _install_lock:
+        if not _installed["random"]:
+            _replace(random, random._inst, lambda rng: rng.random_generator)
+            _installed["random"] = True
+        numpy: Any = sys.modules.get("numpy")
+        if not _installed["numpy"] and numpy is not None:
+            _replace(numpy.random, numpy.random.mtrand._rand, _legacy)
+            # Module functions of NumPy's that draw from the same state without being its
+            # bound methods: routed to the sample's methods of the same meaning.
+            for name, method in (("seed", "seed"), ("sample", "random_sample")):
+                original = getattr(numpy.random, name, None)
+                if original is not None:
+                    setattr(numpy.random, name, _routing(method, original, _legacy))
+            if hasattr(numpy.random, "ranf"):
+                numpy.random.ranf = numpy.random.sample
+            _installed["numpy"] = True
+
+
+def _legacy(rng: SampleRng) -> Any:
+    return rng.legacy_numpy
+
+
+def _numpy_pending() -> bool:
+    return not _installed["numpy"] and "numpy" in sys.modules
+
+
+def _replace(module: Any, instance: Any, own: Callable[[SampleRng], Any]) -> None:
+    """Each of ``module``'s functions bound to ``instance`` routes to ``own(rng)`` when routed."""
+    for name in dir(module):
+        original = getattr(module, name)
+        if getattr(original, "__self__", None) is not instance or name.startswith("_"):
+            continue
+        setattr(module, name, _routing(name, original, own))
+
+
+def _routing(name: str, original: Callable[..., Any], own: Callable[[SampleRng], Any]) -> Any:
+    @functools.wraps(original)
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        rng = _here.rng
+        if rng is None:
+            return original(*args, **kwargs)
+        return getattr(own(rng), name)(*args, **kwargs)
+
+    draw.__nostall_routes__ = original  # type: ignore[attr-defined]
+    return draw

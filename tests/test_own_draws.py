@@ -1,0 +1,191 @@
+"""A loading thread's global draws go to the sample's own generators, in that thread only."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from nostall._loading import own_draws
+from nostall._loading.own_draws import SampleRng, current, install, routed
+from nostall._sources.generators import NUMPY, PYTHON, TORCH, moved, snapshot
+
+#: Each routed torch entry point, called as a transform calls it, with ``generator=`` where
+#: the test asks for it (None: the global one).
+TORCH_DRAWS: dict[str, Callable[[Any], Any]] = {
+    "rand": lambda g: torch.rand(3, generator=g),
+    "randn": lambda g: torch.randn(3, generator=g),
+    "randint": lambda g: torch.randint(0, 100, (3,), generator=g),
+    "randperm": lambda g: torch.randperm(5, generator=g),
+    "normal": lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g),
+    "bernoulli": lambda g: torch.bernoulli(torch.full((3,), 0.5), generator=g),
+    "multinomial": lambda g: torch.multinomial(torch.ones(4), 2, generator=g),
+    "poisson": lambda g: torch.poisson(torch.ones(3), generator=g),
+    "rand_like": lambda g: torch.rand_like(torch.zeros(3), generator=g),
+    "uniform_": lambda g: torch.empty(3).uniform_(0.35, 1.0, generator=g),
+    "normal_": lambda g: torch.empty(3).normal_(generator=g),
+    "random_": lambda g: torch.empty(3).random_(0, 9, generator=g),
+    "exponential_": lambda g: torch.empty(3).exponential_(generator=g),
+    "bernoulli_": lambda g: torch.empty(3).bernoulli_(0.5, generator=g),
+    "init.uniform_": lambda g: torch.nn.init.uniform_(torch.empty(3), generator=g),
+    "beta": lambda g: torch.distributions.Beta(torch.ones(3), torch.ones(3)).sample(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_DRAWS))
+def test_torchs_random_calls_draw_from_the_samples_generator(name: str) -> None:
+    """The same values as with the sample's generator passed; the global one does not move."""
+    draw = TORCH_DRAWS[name]
+    before = snapshot()
+    with routed(SampleRng(11)):
+        values = draw(None)
+    assert () == moved(before, snapshot())
+    if name != "beta":  # takes no generator=: compared with another routed sample's
+        torch.testing.assert_close(values, draw(SampleRng(11).torch_generator), rtol=0, atol=0)
+    with routed(SampleRng(11)):
+        torch.testing.assert_close(values, draw(None), rtol=0, atol=0)
+
+
+def test_each_routed_torch_function_takes_a_generator() -> None:
+    """Every routed function, called with ``generator=``: a torch that dropped it fails here."""
+    t, init, g = torch.Tensor, torch.nn.init, torch.Generator()
+    p = torch.full((3,), 0.5)
+    calls: dict[Any, Callable[[], Any]] = {
+        torch.rand: lambda: torch.rand(2, generator=g),
+        torch.randn: lambda: torch.randn(2, generator=g),
+        torch.randint: lambda: torch.randint(0, 5, (2,), generator=g),
+        torch.randperm: lambda: torch.randperm(4, generator=g),
+        torch.normal: lambda: torch.normal(p, p, generator=g),
+        torch.bernoulli: lambda: torch.bernoulli(p, generator=g),
+        torch.multinomial: lambda: torch.multinomial(p, 2, generator=g),
+        torch.poisson: lambda: torch.poisson(p, generator=g),
+        torch.binomial: lambda: torch.binomial(p, p, generator=g),
+        torch._standard_gamma: lambda: torch._standard_gamma(p, generator=g),
+        torch._sample_dirichlet: lambda: torch._sample_dirichlet(p, generator=g),
+        torch.rand_like: lambda: torch.rand_like(p, generator=g),
+        torch.randn_like: lambda: torch.randn_like(p, generator=g),
+        torch.randint_like: lambda: torch.randint_like(p, 5, generator=g),
+        t.uniform_: lambda: p.clone().uniform_(generator=g),
+        t.normal_: lambda: p.clone().normal_(generator=g),
+        t.random_: lambda: p.clone().random_(generator=g),
+        t.bernoulli_: lambda: p.clone().bernoulli_(0.5, generator=g),
+        t.bernoulli: lambda: p.bernoulli(generator=g),
+        t.exponential_: lambda: p.clone().exponential_(generator=g),
+        t.geometric_: lambda: p.clone().geometric_(0.5, generator=g),
+        t.log_normal_: lambda: p.clone().log_normal_(generator=g),
+        t.cauchy_: lambda: p.clone().cauchy_(generator=g),
+        t.multinomial: lambda: p.multinomial(2, generator=g),
+        init.uniform_: lambda: init.uniform_(p.clone(), generator=g),
+        init.normal_: lambda: init.normal_(p.clone(), generator=g),
+        init.trunc_normal_: lambda: init.trunc_normal_(p.clone(), generator=g),
+        init.kaiming_uniform_: lambda: init.kaiming_uniform_(torch.empty(2, 2), generator=g),
+        init.kaiming_normal_: lambda: init.kaiming_normal_(torch.empty(2, 2), generator=g),
+        init.xavier_uniform_: lambda: init.xavier_uniform_(torch.empty(2, 2), generator=g),
+        init.xavier_normal_: lambda: init.xavier_normal_(torch.empty(2, 2), generator=g),
+        init.orthogonal_: lambda: init.orthogonal_(torch.empty(2, 2), generator=g),
+        init.sparse_: lambda: init.sparse_(torch.empty(2, 2), 0.5, generator=g),
+    }
+    assert own_draws._TAKE_GENERATOR == set(calls)
+    for func, call in calls.items():
+        state = g.get_state()
+        call()
+        assert not torch.equal(state, g.get_state()), func
+
+
+def test_pythons_and_numpys_module_functions_draw_from_the_samples_own() -> None:
+    install()
+    before = snapshot()
+    with routed(SampleRng(5)):
+        drawn = (random.random(), random.randint(0, 10**9), np.random.rand(), np.random.randint(9))
+        shuffled = list(range(10))
+        random.shuffle(shuffled)
+        sampled = np.random.sample()
+    assert () == moved(before, snapshot())
+    rng = SampleRng(5)
+    own = rng.random_generator
+    legacy = rng.legacy_numpy
+    assert drawn == (own.random(), own.randint(0, 10**9), legacy.rand(), legacy.randint(9))
+    expected = list(range(10))
+    own.shuffle(expected)
+    assert expected == shuffled
+    assert legacy.random_sample() == sampled
+
+
+def test_outside_a_routed_thread_the_global_generators_draw_as_before() -> None:
+    install()
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    before = snapshot()
+    values = (random.random(), np.random.rand(), torch.rand(1).item())
+    assert {TORCH, PYTHON, NUMPY} == set(moved(before, snapshot()))
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    assert values == (random.random(), np.random.rand(), torch.rand(1).item())
+    assert random.random.__nostall_routes__ is not None  # type: ignore[attr-defined]
+
+
+def test_routing_holds_in_its_thread_only() -> None:
+    """While a loading thread is routed, another thread draws from the global generators."""
+    install()
+    inside, done = threading.Event(), threading.Event()
+    seen: list[Any] = []
+
+    def loading() -> None:
+        with routed(SampleRng(1)):
+            inside.set()
+            done.wait(30)
+            seen.append((torch.rand(1).item(), random.random(), current()))
+
+    thread = threading.Thread(target=loading)
+    thread.start()
+    assert inside.wait(30)
+    before = snapshot()
+    torch.rand(1)
+    random.random()
+    assert {TORCH, PYTHON} == set(moved(before, snapshot()))
+    assert current() is None
+    done.set()
+    thread.join(30)
+    rng = SampleRng(1)
+    own = (torch.rand(1, generator=rng.torch_generator).item(), rng.random_generator.random())
+    assert [own] == [values[:2] for values in seen]
+    assert seen[0][2] is not None
+
+
+def test_nested_routing_ends_where_it_began() -> None:
+    outer, inner = SampleRng(1), SampleRng(2)
+    with routed(outer):
+        with routed(inner):
+            assert inner is current()
+        assert outer is current()
+    assert current() is None
+
+
+def test_what_is_left_out_draws_from_the_global_generator() -> None:
+    """F.dropout takes no generator=, and a generator passed is the caller's: not routed."""
+    draws: list[Callable[[], torch.Tensor]] = [
+        lambda: torch.nn.functional.dropout(torch.ones(8), 0.5),
+        lambda: torch.rand(2, generator=torch.default_generator),
+    ]
+    for draw in draws:
+        before = snapshot()
+        with routed(SampleRng(1)):
+            draw()
+        assert (TORCH,) == moved(before, snapshot())
+
+
+def test_a_random_op_for_another_device_is_left_alone() -> None:
+    """The sample's generator is a CPU one: a factory for another device keeps its own."""
+    assert own_draws._on_cpu((), {})
+    assert own_draws._on_cpu((torch.zeros(1),), {})
+    assert not own_draws._on_cpu((), {"device": "meta"})
+    assert not own_draws._on_cpu((torch.zeros(1, device="meta"),), {})
+    with routed(SampleRng(1)):
+        assert "meta" == torch.rand(2, device="meta").device.type
