@@ -4,6 +4,9 @@ Three workloads behind a realistic dataset object, 200,000 (path, label) pairs:
 
 - ``jpeg``: the bench's JPEG files (cycled), decoded with PIL, cropped as ``RandomResizedCrop``
   does and resized to 224 x 224: native code that releases the GIL;
+- ``augmented``: the ``jpeg`` samples with torchvision's usual augmentations, a random resized
+  crop and a horizontal flip drawn from torch's global generator (``torch.rand``,
+  ``torch.randint``, ``Tensor.uniform_``), as torchvision's transforms draw;
 - ``python``: pure-Python arithmetic in ``__getitem__`` (about 1 ms), which holds the GIL;
 - ``sleep``: ``__getitem__`` waits 10 ms without the GIL, as a read from a network file system
   or an object store does (run it with ``--batch-size 1`` for detection-style small batches);
@@ -21,7 +24,8 @@ its children together (psutil, sampled every 20 ms) minus the PSS before the loa
 
 ``--ways serial,workers:2,nostall:6`` runs only those ways (``way:count``).
 
-Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|python|sleep|stream] [--repeats 3]
+Run: .venv/bin/python benchmarks/threads.py [--workload jpeg|augmented|python|sleep|stream]
+[--repeats 3]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
-from nostall.bench._workloads import JpegImages, jpeg_files
+from nostall.bench._workloads import AugmentedJpegImages, JpegImages, jpeg_files
 
 PAIRS = 200_000
 
@@ -98,6 +102,8 @@ def dataset(workload: str, cache: str | None) -> Dataset[Any]:
         return SleepingReads([f"{i:06d}.jpg" for i in range(PAIRS)])
     files = jpeg_files(cache, 256)
     paths = [str(files[i % len(files)]) for i in range(PAIRS)]
+    if workload == "augmented":  # torchvision-style draws from torch's global generator
+        return AugmentedJpegImages(paths, 224)  # type: ignore[arg-type]
     jpeg = workload in ("jpeg", "stream")
     return JpegImages(paths, 224) if jpeg else PythonWork(paths)  # type: ignore[arg-type]
 
@@ -210,7 +216,8 @@ def chosen(way: str) -> tuple[str, int]:
 def main() -> None:
     """Run every way in fresh processes, alternating, and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=("jpeg", "python", "sleep", "stream"), default="jpeg")
+    workloads = ("jpeg", "augmented", "python", "sleep", "stream")
+    parser.add_argument("--workload", choices=workloads, default="jpeg")
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

@@ -608,18 +608,24 @@ def _jittered(num_workers: int = 0) -> torch.utils.data.DataLoader[torch.Tensor]
     return torch.utils.data.DataLoader(_Jittered(), batch_size=8, num_workers=num_workers)
 
 
-def test_the_doctor_never_recommends_threads_for_a_loader_drawing_from_the_global_generator() -> (
-    None
-):
-    """It says what drew, that threads were not tried, and what nostall.prefetch does then."""
+def test_the_doctor_tries_threads_for_a_loader_drawing_from_the_global_generator() -> None:
+    """It says what drew, what nostall.prefetch does then, and checks threads as usual.
+
+    Under threads= each sample's draws go to a generator of its own: the check agrees, and
+    code that loads with threads says that the draws change.
+    """
     diagnosis = diagnose(_jittered, device="cpu", max_batches=60, repeats=1)
     summary = diagnosis.summary()
-    assert "threads=" not in diagnosis.code
     assert "random draws: your dataset or collate_fn draws from torch's global generator" in (
         summary
     )
-    assert "thread safety: not checked, and threads not tried" in summary
-    if diagnosis.code and diagnosis.best[0].num_workers not in (None, 0):
+    assert "under threads= each sample draws from a generator of its own" in summary
+    assert "thread safety: not checked" not in summary
+    if diagnosis.code and diagnosis.best[0].threads is not None:
+        assert "which under threads= each sample draws from a generator of its own" in (
+            diagnosis.code
+        )
+    elif diagnosis.code and diagnosis.best[0].num_workers not in (None, 0):
         assert "# NOTE: this changes the random draws your model sees" in diagnosis.code
 
 

@@ -159,6 +159,7 @@ def test_the_warning_names_what_drew_and_the_fix_once_at_the_users_line() -> Non
     assert "nothing is fetched ahead" in message
     assert "DataCollatorForLanguageModeling(..., seed=0)" in message
     assert "num_workers=2" in message
+    assert "nostall.prefetch(loader, threads=2)" in message
 
 
 def test_under_threads_the_warning_names_what_escapes_and_the_fix() -> None:

@@ -389,19 +389,37 @@ def jittered(num_workers: int = 0) -> DataLoader[torch.Tensor]:
     return DataLoader(Jittered(delay=0.0005), batch_size=8, num_workers=num_workers)
 
 
-def test_tune_never_tries_threads_for_a_loader_drawing_from_the_global_generator() -> None:
-    """Threads would change the draws the model sees: not tried, so never recommended."""
+class EscapingJitter(Sleepy):
+    """Draws through a torch function that takes no generator=: not each sample's own."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.nn.functional.dropout(super().__getitem__(i) + 1, 0.5)
+
+
+def test_tune_tries_threads_for_a_loader_drawing_from_the_global_generator() -> None:
+    """Under threads= each sample draws from its own generator: tried, the draws named."""
     result = nostall.tune(jittered, max_batches=80, device="cpu", max_workers=1)
     assert ("torch's global generator",) == result.drew
+    assert any(s.threads is not None for s, _ in result.curve), result.curve
+    safety = result.thread_safety
+    assert safety is not None
+    assert "agreed" == safety.verdict
+    assert ["torch's global generator"] == result.to_dict()["drew"]
+
+
+def test_tune_never_tries_threads_where_the_draws_escape_the_samples_generators() -> None:
+    """Threads would share those draws: never tried, so never recommended."""
+
+    def escaping(num_workers: int = 0) -> DataLoader[torch.Tensor]:
+        return DataLoader(EscapingJitter(delay=0.0005), batch_size=8, num_workers=num_workers)
+
+    result = nostall.tune(escaping, max_batches=80, device="cpu", max_workers=1)
     assert all(s.threads is None for s, _ in result.curve), result.curve
     assert result.best.threads is None
     safety = result.thread_safety
     assert safety is not None
     assert ("random", ("torch's global generator",)) == (safety.verdict, safety.drew)
-    line = safety.describe()
-    assert line.startswith("thread safety: not checked, and threads not tried:")
-    assert "torch.thread_safe_generator()" in line
-    assert ["torch's global generator"] == result.to_dict()["drew"]
+    assert "torch.thread_safe_generator()" in safety.describe()
 
 
 def test_tune_sees_no_draws_in_a_loader_that_makes_none() -> None:

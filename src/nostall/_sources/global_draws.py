@@ -270,9 +270,11 @@ class DrawWatch:
             fix = (
                 "To prefetch, give the draws a seeded generator of their own (e.g. "
                 "DataCollatorForLanguageModeling(..., seed=0), or torch.rand(..., generator=g) "
-                "with g = torch.Generator().manual_seed(0)), or load in worker processes "
-                "(DataLoader(num_workers=2): each worker draws from its own seed, reproducibly, "
-                "though not the values num_workers=0 draws)"
+                "with g = torch.Generator().manual_seed(0)), or load with threads "
+                "(nostall.prefetch(loader, threads=2): each sample draws from a generator of "
+                "its own, in parallel and reproducibly) or in worker processes "
+                "(DataLoader(num_workers=2): each worker draws from its own seed); either way "
+                "not the values num_workers=0 draws"
             )
         seen = "seen while loading a batch; another thread of yours drawing then looks the same"
         return f"nostall: {who} draws from {what} ({seen}), {done}. {fix}."

@@ -322,9 +322,10 @@ def draws_line(drew: tuple[str, ...]) -> str:
     """What the doctor says of a loader whose dataset or collate_fn draws from global generators."""
     return (
         f"random draws: your dataset or collate_fn draws from {' and '.join(drew)} at each "
-        f"batch. nostall.prefetch loads such a loader in step with your loop (your loop's "
-        f"draws, unchanged, but nothing fetched ahead), threads were not tried (they would "
-        f"change the draws), and worker processes draw from their own seeds (other values). "
+        f"batch. nostall.prefetch without threads loads such a loader in step with your loop "
+        f"(your loop's draws, unchanged, but nothing fetched ahead); under threads= each "
+        f"sample draws from a generator of its own (in parallel and reproducible, other "
+        f"values), as worker processes draw from their own seeds. "
         f"Give the draws a seeded generator of their own (e.g. DataCollatorForLanguageModeling"
         f"(..., seed=0)) to prefetch with the same draws."
     )

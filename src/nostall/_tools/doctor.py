@@ -227,15 +227,23 @@ def recommend(
 ) -> str:
     """The code that builds and feeds the loader with ``setting``, as the user would write it.
 
-    A setting that changes the random draws the model sees (another ``num_workers`` for a
-    loader whose dataset or collate_fn draws from a global generator: ``drew``) says so in the
-    code itself, in a comment above it.
+    A setting that changes the random draws the model sees (another ``num_workers``, or
+    ``threads=``, for a loader whose dataset or collate_fn draws from a global generator:
+    ``drew``) says so in the code itself, in a comment above it.
     """
     name = getattr(factory, "__name__", "make_loader")
     kwargs = ", ".join(f"{k}={v!r}" for k, v in loader_kwargs(factory, setting, device).items())
     lines = []
     workers = setting.num_workers
-    if drew and workers is not None and workers != (factory_workers or 0):
+    if drew and setting.threads is not None:
+        lines.append(
+            f"    # NOTE: this changes the random draws your model sees: your dataset or "
+            f"collate_fn draws from {' and '.join(drew)}, which under threads= each sample "
+            f"draws from a generator of its own (reproducible, but not the values "
+            f"num_workers={factory_workers or 0} draws). Keep them: give the draws a seeded "
+            f"generator of their own."
+        )
+    elif drew and workers is not None and workers != (factory_workers or 0):
         lines.append(
             f"    # NOTE: this changes the random draws your model sees: your dataset or "
             f"collate_fn draws from {' and '.join(drew)}, which with num_workers={workers} "

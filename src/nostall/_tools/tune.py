@@ -265,13 +265,9 @@ def tune(
     thread_counts = [2**i for i in range(1, 9) if 2**i <= max(2, 2 * cores)]
     safety = None
     drew = draws_of(build(factory, Setting(0, None), dev)) if "num_workers" in knobs else ()
-    if drew and affordable() and _threadable(factory, dev):
-        # Threads would share those generators: never tried, so never recommended.
-        safety = ThreadSafety(
-            "random", thread_counts[-1], 0, why="draws from the global generators", drew=drew
-        )
-    elif "num_workers" in knobs and affordable() and _threadable(factory, dev):
-        # Never recommend threads for a dataset that gives other samples (or errors) under them.
+    if "num_workers" in knobs and affordable() and _threadable(factory, dev):
+        # Never recommend threads for a dataset that gives other samples (or errors) under
+        # them, nor for one whose draws escape each sample's own generators ("random", drew).
         def fresh() -> Any:
             return build(factory, Setting(0, None), dev)
 

@@ -233,7 +233,9 @@ def conclusion(result: BenchResult) -> list[str]:
         if not rates:
             continue
         top, ours = fastest(rates), rates.get(NOSTALL)
-        what = f"On JPEG files (decode, crop, resize to {setting})"
+        size, _, augmented = setting.partition(" ")
+        drawn = ", random crops and flips from torch's global generator" if augmented else ""
+        what = f"On JPEG files (decode, crop, resize to {size}{drawn})"
         if len(top) == 1:
             words = f"{what} the fastest was {top[0]}, {figure(rates[top[0]], ',.0f')} samples/s"
         else:

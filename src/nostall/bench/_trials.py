@@ -11,6 +11,7 @@ import itertools
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .._device import resolve_device
 from .._engine.profile import profile
+from .._sources.global_draws import GlobalDrawsWarning
 from ..cuda._devices import host_info
 from ..cuda._timing import synchronize
 from . import _contenders as c
@@ -27,7 +29,17 @@ from ._config import BenchConfig
 from ._convoy import CASES, run_convoy
 from ._records import BenchResult, Record
 from ._regime import device_seconds, device_trial
-from ._workloads import DeviceStep, JpegImages, SyntheticImages, jpeg_files, train_step
+from ._workloads import (
+    AugmentedJpegImages,
+    DeviceStep,
+    JpegImages,
+    SyntheticImages,
+    jpeg_files,
+    train_step,
+)
+
+#: The augmented JPEG setting's name after its size: random resized crops and flips.
+AUGMENTED = "crop+flip"
 
 Step = Callable[[Any], float]
 
@@ -169,7 +181,8 @@ def run_bench(
     result = BenchResult(config, machine, {"start": list(os.getloadavg())})
     contenders = c.chosen(config.contenders, device)
     regime = c.chosen(config.contenders, device, c.GPU_REGIME) if config.regime_batches else []
-    total = (len(config.ratios) + bool(config.jpeg_images)) * config.repeats * len(contenders)
+    trials = len(config.ratios) + 2 * bool(config.jpeg_images)
+    total = trials * config.repeats * len(contenders)
     total += (1 + config.repeats) * len(regime)
     done = itertools.count(1)
 
@@ -199,13 +212,20 @@ def run_bench(
             dataset = SyntheticImages(config.batches * n, size=size, decode_ms=cpu_ms, io_ms=io_ms)
             epoch_trial(result, "synthetic", f"{ratio:g}", dataset, step, contenders, advance)
         if config.jpeg_images:
-            images = JpegImages(jpeg_files(config.jpeg_cache, config.jpeg_images), config.jpeg_size)
+            paths = jpeg_files(config.jpeg_cache, config.jpeg_images)
             step = train_step(config.jpeg_width, device)
             s, n = config.jpeg_size, config.jpeg_batch_size
             probe = torch.zeros(n, 3, s, s, dtype=torch.uint8, device=device)
             labels = torch.zeros(n, dtype=torch.int64, device=device)
             step_seconds(result, "jpeg", step, (probe, labels))
+            images = JpegImages(paths, s)
             epoch_trial(result, "jpeg", f"{s}px", images, step, contenders, advance, n)
+            # What users run: torchvision-style crops and flips from torch's global generator.
+            augmented = AugmentedJpegImages(paths, s)
+            with warnings.catch_warnings():  # nostall's warning of draws, said in the report
+                warnings.simplefilter("ignore", GlobalDrawsWarning)
+                setting = f"{s}px {AUGMENTED}"
+                epoch_trial(result, "jpeg", setting, augmented, step, contenders, advance, n)
         handoff_trial(result, contenders)
         if config.convoy_batches:
             convoy_trial(result)
