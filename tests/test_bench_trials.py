@@ -22,7 +22,7 @@ def test_tiny_run_measures_every_contender_in_every_trial(tmp_path: Path) -> Non
     result = run_bench(config, lambda what, done: seen.append(done))
     names = [k.name for k in c.chosen((), torch.device("cpu"))]
     assert ["0.5", "1"] == result.settings("synthetic")
-    assert ["32px"] == result.settings("jpeg")
+    assert ["32px", "32px crop+flip"] == result.settings("jpeg")
     for trial in ("synthetic", "jpeg"):
         assert names == result.contenders(trial)
         for setting in result.settings(trial):

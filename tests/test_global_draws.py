@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 import nostall
 from nostall import PrefetchTimeoutError
+from nostall._sources import global_draws
 from nostall._sources.generators import CUDA, NUMPY, PYTHON, TORCH, Trial, moved, snapshot
-from nostall._sources.global_draws import DrawWatch, GlobalDrawsWarning
+from nostall._sources.global_draws import DrawWatch, GlobalDrawsWarning, Watch
 from nostall._sources.sources import classify
 
 SAMPLES, FEATURES = 48, 8
@@ -73,6 +74,12 @@ def python_noise(batch: list[torch.Tensor]) -> torch.Tensor:
 def numpy_noise(batch: list[torch.Tensor]) -> torch.Tensor:
     np = pytest.importorskip("numpy")
     return torch.stack(batch) * float(np.random.rand())
+
+
+def drawing_loop(batches: Iterable[Any], draw: Callable[[], Any]) -> None:
+    """A loop whose step makes one ``draw()`` per batch (as dropout draws)."""
+    for _ in batches:
+        draw()
 
 
 def model() -> nn.Module:
@@ -145,12 +152,13 @@ def test_a_clear_source_through_threads_matches_itself_and_warns_nothing() -> No
 
 
 def test_the_warning_names_what_drew_and_the_fix_once_at_the_users_line() -> None:
+    """A loop that draws from the collator's generator too (dropout): in step, and told."""
     prefetcher = nostall.prefetch(loader(collate_fn=mask), "cpu")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(2):  # a second epoch: said once
             for _ in prefetcher:
-                pass
+                torch.rand(())  # the step's own draw, from torch's generator
     assert [GlobalDrawsWarning] == [w.category for w in seen]
     assert __file__ == seen[0].filename
     message = str(seen[0].message)
@@ -179,11 +187,11 @@ def test_under_threads_the_warning_names_what_escapes_and_the_fix() -> None:
 def test_pythons_and_numpys_global_generators_are_watched(
     collate: Callable[[list[torch.Tensor]], torch.Tensor], generator: str
 ) -> None:
-    if collate is numpy_noise:
-        pytest.importorskip("numpy")
+    """Each seen on its own: the loop draws from the collate's generator too."""
+    np = pytest.importorskip("numpy")
+    draw = random.random if collate is python_noise else np.random.rand
     with pytest.warns(GlobalDrawsWarning, match=generator):
-        for _ in nostall.prefetch(loader(collate_fn=collate), "cpu"):
-            pass
+        drawing_loop(nostall.prefetch(loader(collate_fn=collate), "cpu"), draw)
 
 
 def test_a_transform_drawing_from_the_global_generator_is_named() -> None:
@@ -191,8 +199,7 @@ def test_a_transform_drawing_from_the_global_generator_is_named() -> None:
         return batch + torch.rand(())
 
     with pytest.warns(GlobalDrawsWarning, match="or the transform= given to nostall"):
-        for _ in nostall.prefetch(loader(), "cpu", transform=noisy):
-            pass
+        drawing_loop(nostall.prefetch(loader(), "cpu", transform=noisy), lambda: torch.rand(()))
 
 
 class Counting(Features):
@@ -230,15 +237,23 @@ def test_a_source_that_draws_nothing_is_prefetched_after_its_judged_batch(
         assert 12 - judged == len(list(it))
 
 
-def test_a_drawing_source_is_never_pulled_ahead() -> None:
+def test_a_source_drawing_as_the_loop_does_is_never_pulled_ahead() -> None:
     dataset = Counting()
 
     def drawing(batch: list[torch.Tensor]) -> torch.Tensor:
         return mask(batch)
 
     it = iter(nostall.prefetch(DataLoader(dataset, batch_size=4, collate_fn=drawing), "cpu"))
+    loaded: list[int] = []
+
+    def taken() -> Iterator[int]:
+        for _ in range(5):
+            next(it)
+            loaded.append(dataset.loaded)
+            yield loaded[-1]
+
     with pytest.warns(GlobalDrawsWarning):
-        loaded = [(next(it), dataset.loaded)[1] for _ in range(5)]
+        drawing_loop(taken(), lambda: torch.rand(()))  # the collate's generator too
     assert [4, 8, 12, 16, 20] == loaded  # nothing more than what the loop took
 
 
@@ -268,6 +283,7 @@ def test_a_timeout_still_holds_while_pulling_in_step() -> None:
 
     it = iter(nostall.prefetch(DataLoader(Stalls(), batch_size=4), "cpu", timeout=0.3))
     next(it)  # judged: it draws, so it stays in step
+    torch.rand(())  # and so does the loop: in step for good
     # Said at the next call, before it takes anything (see test_iteration's warnings made
     # errors); that call still waits at most the timeout.
     with pytest.warns(GlobalDrawsWarning), pytest.raises(PrefetchTimeoutError):
@@ -503,3 +519,184 @@ def test_draws_of_a_loop_that_caught_a_timeout_are_never_put_back() -> None:
     drawn += torch.rand(3).tolist()
     batches.close()
     assert len(drawn) == len(set(drawn)), drawn
+
+
+def train_apart(
+    batches: Callable[[], Iterable[torch.Tensor]],
+    epochs: int = 1,
+    draws_torch_from: int | None = None,
+) -> list[float]:
+    """Losses of a loop whose step draws from Python's random (a loss scale), not torch's.
+
+    From epoch ``draws_torch_from`` on, the step draws from torch's generator too.
+    """
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimiser = torch.optim.SGD(net.parameters(), lr=0.01)
+    torch.manual_seed(0)
+    random.seed(0)
+    losses = []
+    for epoch in range(epochs):
+        for batch in batches():
+            scale = 1 + random.random() / 100
+            if draws_torch_from is not None and epoch >= draws_torch_from:
+                scale += float(torch.rand(())) / 100
+            loss = net(batch).pow(2).mean() * scale
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+    return losses
+
+
+class Watched(Jittered):
+    """Jittered, counting the samples fetched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetched = 0
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.fetched += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("across_epochs", [False, True])
+def test_a_source_drawing_apart_from_the_loop_is_prefetched_with_the_plain_loops_draws(
+    across_epochs: bool,
+) -> None:
+    """The source draws from torch's generator, the step from Python's: prefetched, exact.
+
+    Each generator is watched on its own: the step was seen drawing from none of the
+    source's, so loading ahead changes no draw; the losses are the plain loop's, and the
+    source is pulled ahead of the loop (no warning).
+    """
+
+    # Across epochs, the next epoch's order is drawn ahead: from a generator of its own.
+    def order() -> dict[str, Any]:
+        return {"generator": torch.Generator().manual_seed(3)} if across_epochs else {}
+
+    plain = loader(Jittered(), **order())
+    expected = train_apart(lambda: plain, epochs=2)
+    dataset = Watched()
+    source = loader(dataset, **order())
+    prefetcher = nostall.prefetch(source, "cpu", across_epochs=across_epochs)
+    held: list[int] = []
+
+    def batches() -> Iterator[torch.Tensor]:
+        for k, batch in enumerate(prefetcher):
+            if not held and k == 3:  # batch 2's step was seen: batches 4 and 5 load meanwhile
+                wait_until(lambda: dataset.fetched >= 6 * 4, "loaded ahead", timeout=30)
+                held.append(k)
+            yield batch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert expected == train_apart(batches, epochs=2)
+    assert [3] == held
+    assert Watch.APART is prefetcher._lineage.epochs.draws.state
+    assert not prefetcher._lineage.epochs.draws.in_step
+
+
+def test_a_loop_that_starts_drawing_from_the_sources_generator_is_caught_and_told() -> None:
+    """From epoch 2 the step draws from torch's generator, which the source draws from too.
+
+    Seen between two pulls (or at a recheck), the source goes back in step for good, and a
+    warning at the loop's line says what drew and that batches loaded ahead drew otherwise.
+    """
+    prefetcher = nostall.prefetch(loader(Jittered()), "cpu")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train_apart(lambda: prefetcher, epochs=4, draws_torch_from=2)
+    assert [GlobalDrawsWarning] == [w.category for w in seen]
+    assert __file__ == seen[0].filename
+    message = str(seen[0].message)
+    assert "and so does your loop: it drew from torch's global generator" in message
+    assert "drew in another order than without nostall" in message
+    draws = prefetcher._lineage.epochs.draws
+    assert Watch.DRAWS is draws.state
+    assert draws.in_step
+
+
+def state_of(watch: DrawWatch) -> Watch:
+    """The watch's state, read anew (it changes inside the calls between two reads)."""
+    return watch.state
+
+
+def in_step(watch: DrawWatch) -> bool:
+    return watch.in_step
+
+
+def test_a_recheck_sees_the_loop_drawing_while_every_pull_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop whose draws always fall inside a pull is seen at the next recheck."""
+    monkeypatch.setattr(global_draws, "RECHECK_PULLS", 3)
+    watch = DrawWatch(classify(loader(Jittered())))
+    watch.pull(lambda: torch.rand(()), first=False)  # judged: draws from torch's
+    watch.handed_out()
+    random.random()  # the loop's own draw, from another generator
+    watch.step_seen()
+    assert Watch.APART is state_of(watch)
+    assert not in_step(watch)
+    for _ in range(3):  # the loop draws while each pull runs: no pull sees it
+        watch.pull(lambda: (torch.rand(()), torch.rand(())), first=False)
+    assert Watch.RECHECK is state_of(watch)
+    assert in_step(watch)
+    watch.handed_out()
+    torch.rand(())  # the loop, alone between two batches
+    watch.step_seen()
+    assert Watch.DRAWS is state_of(watch)
+    assert "torch's global generator, between two batches, as the source does" == watch.caught
+
+
+def test_a_recheck_that_sees_nothing_goes_back_to_prefetching(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(global_draws, "RECHECK_PULLS", 2)
+    watch = DrawWatch(classify(loader(Jittered())))
+    watch.pull(lambda: torch.rand(()), first=False)
+    watch.handed_out()
+    watch.step_seen()
+    for _ in range(2):
+        watch.pull(lambda: torch.rand(()), first=False)
+    assert Watch.RECHECK is state_of(watch)
+    watch.handed_out()
+    watch.step_seen()
+    assert Watch.APART is state_of(watch)
+    watch.pull(lambda: torch.rand(()), first=False)
+    torch.rand(())  # between two pulls: seen there
+    watch.pull(lambda: torch.rand(()), first=False)
+    assert Watch.DRAWS is state_of(watch)
+    assert watch.caught is not None
+    assert "between two batches loaded ahead" in watch.caught
+
+
+def test_a_look_at_the_loop_while_a_pull_ran_does_not_count() -> None:
+    watch = DrawWatch(classify(loader(Jittered())))
+    watch.pull(lambda: torch.rand(()), first=False)
+    watch.handed_out()
+    watch.pull(lambda: torch.rand(()), first=False)  # a pull between: not the loop alone
+    watch.step_seen()
+    assert 0 == watch.loop_seen
+    assert Watch.WATCHING is state_of(watch)
+
+
+def test_a_state_saved_while_a_drawing_source_is_loaded_ahead_says_so() -> None:
+    """The source's generators are ahead of the loop's: a resume would draw otherwise."""
+    prefetcher = nostall.prefetch(loader(Jittered()), "cpu")
+    it = iter(prefetcher)
+    for _ in range(4):
+        next(it)
+        random.random()  # the loop draws from another generator: the source is loaded ahead
+    assert Watch.APART is prefetcher._lineage.epochs.draws.state
+    with pytest.warns(GlobalDrawsWarning, match="state_dict\\(\\) while batches of") as seen:
+        prefetcher.state_dict()
+    assert __file__ == seen[0].filename
+    assert "load with threads=2" in str(seen[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prefetcher.state_dict()  # said once
+        quiet = nostall.prefetch(loader(), "cpu")
+        next(iter(quiet))
+        quiet.state_dict()  # a source that draws nothing: nothing to say

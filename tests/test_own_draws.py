@@ -14,6 +14,7 @@ import torch
 from nostall._loading import own_draws
 from nostall._loading.own_draws import SampleRng, current, install, routed
 from nostall._sources.generators import NUMPY, PYTHON, TORCH, moved, snapshot
+from nostall._torch_compat import PRIVATE_SAMPLERS
 
 #: Each routed torch entry point, called as a transform calls it, with ``generator=`` where
 #: the test asks for it (None: the global one).
@@ -65,8 +66,8 @@ def test_each_routed_torch_function_takes_a_generator() -> None:
         torch.multinomial: lambda: torch.multinomial(p, 2, generator=g),
         torch.poisson: lambda: torch.poisson(p, generator=g),
         torch.binomial: lambda: torch.binomial(p, p, generator=g),
-        torch._standard_gamma: lambda: torch._standard_gamma(p, generator=g),
-        torch._sample_dirichlet: lambda: torch._sample_dirichlet(p, generator=g),
+        PRIVATE_SAMPLERS[0]: lambda: PRIVATE_SAMPLERS[0](p, generator=g),
+        PRIVATE_SAMPLERS[1]: lambda: PRIVATE_SAMPLERS[1](p, generator=g),
         torch.rand_like: lambda: torch.rand_like(p, generator=g),
         torch.randn_like: lambda: torch.randn_like(p, generator=g),
         torch.randint_like: lambda: torch.randint_like(p, 5, generator=g),

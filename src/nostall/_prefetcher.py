@@ -357,6 +357,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         held = 0 if active is None else active.held_ahead()
         if held and lineage.at.loaded is None and not uncounts(lineage.at, lineage.epochs):
             warn_counted_ahead(describe(self._source), held, lineage.epochs.stateful)
+        lineage.epochs.draws.ahead_of_the_loop()  # a source that draws, loaded ahead
         return state_of(lineage.at, lineage.epochs, held)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -18,7 +18,10 @@ builds a batch in shared memory in a DataLoader worker as ``default_collate`` do
 private ``UntypedStorage._new_shared`` (:func:`empty_shared_uint8`).
 ``nostall.cuda.devices()`` asks CUDA for a device's free memory only where this process
 already has a context, which torch's private ``_cuda_hasPrimaryContext`` tells
-(:func:`has_cuda_context`).
+(:func:`has_cuda_context`). ``torch.distributions``' Gamma, Beta and Dirichlet draw through
+the private ``torch._standard_gamma`` and ``torch._sample_dirichlet``, which take a
+``generator=``: ``threads=`` routes their draws to each sample's own generator
+(:data:`PRIVATE_SAMPLERS`, see :mod:`nostall._loading.own_draws`).
 All were checked against the torch versions in :data:`CHECKED_TORCH`;
 ``tests/test_torch_compat.py`` fails on any other version until they are checked again.
 """
@@ -48,6 +51,10 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 CHECKED_TORCH = ("2.11", "2.13")
 
 L = TypeVar("L", bound=DataLoader[Any])
+
+#: torch's private random samplers behind ``torch.distributions`` (Gamma, Beta, Dirichlet),
+#: called from Python with ``generator=None``; each takes a ``generator=``.
+PRIVATE_SAMPLERS: tuple[Any, ...] = (torch._standard_gamma, torch._sample_dirichlet)
 
 
 def live_iterator(loader: object) -> object | None:

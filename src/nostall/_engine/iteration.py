@@ -151,13 +151,21 @@ class PrefetchIterator(Iterator[T]):
             draws = puller.epochs.draws
             timeout = self._settings.timeout
             if draws.in_step:  # the source may draw from the global generators
-                # A draw a pull saw is said here, at the user's line, before this call takes
-                # anything: a warning turned into an error (python -W error) then loses no
-                # batch, and the next call goes on (it is said once).
-                draws.report()
-                puller.want(wake=timeout is not None)
-                message = puller.channel.get(self._index, timeout, puller.pull_here)
-                return self._take(puller, message)
+                # What the loop drew since the last batch may end that (it draws from
+                # other generators): then the producer runs ahead from here on.
+                if not draws.step_seen():
+                    puller.channel.wake.set()
+                else:
+                    # A draw a pull saw is said here, at the user's line, before this call
+                    # takes anything: a warning turned into an error (python -W error) then
+                    # loses no batch, and the next call goes on (it is said once).
+                    draws.report()
+                    if puller.channel.empty():  # else a batch loaded ahead comes first
+                        puller.want(wake=timeout is not None)
+                    message = puller.channel.get(self._index, timeout, puller.pull_here)
+                    batch_in_step: T = self._take(puller, message)
+                    draws.handed_out()
+                    return batch_in_step
             channel = puller.channel
             # Pulling inline (see Overlap): this thread pulls, as a plain loop does; what was
             # queued before the switch, or a pull the producer serves, comes through get().

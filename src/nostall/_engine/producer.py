@@ -137,6 +137,7 @@ class Puller:
         with self.staging.source_context():
             self.batches, self.pulled = self.epochs.open(epoch, forward=forward, outside=outside)
         self.untouched = True
+        self.epochs.draws.forget_left()  # its draws, in this thread, precede its first pull
         self._opened(epoch)
 
     def _opened(self, epoch: int) -> None:
@@ -153,7 +154,7 @@ class Puller:
         draws from the global generators, and the next one waits for the loop to ask.
         """
         draws = self.epochs.draws
-        if not draws.in_step:
+        if not draws.watched:
             return self.pull_unwatched()
         first = self.batches is None or self.untouched
         ahead = first and isinstance(self.batches, TakenAhead)  # its batch already pulled
@@ -380,7 +381,7 @@ class Puller:
         try:
             if self.finished or not self.channel.empty() or not self.gate_open():
                 return None  # one was queued just before the lock, or it is not asked for
-            pull = self.pull if self.epochs.draws.in_step else self.pull_unwatched
+            pull = self.pull if self.epochs.draws.watched else self.pull_unwatched
             if self.staging.plain_source:  # nothing to set around the pull (off CUDA)
                 message = pull()
             else:

@@ -78,7 +78,7 @@ def produce(puller: Puller) -> None:
                             # Held back, it serves one wait of the consumer's: the next
                             # wait asks again (else it would run on ahead, contending).
                             channel.waiting.clear()
-                        pull = puller.pull if puller.epochs.draws.in_step else puller.pull_unwatched
+                        pull = puller.pull if puller.epochs.draws.watched else puller.pull_unwatched
                         if pacer is None:
                             message = pull()
                         else:

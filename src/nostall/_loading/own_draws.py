@@ -48,6 +48,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._torch_compat import PRIVATE_SAMPLERS
+
 
 class SampleRng:
     """One sample's random generators, as torch's thread-worker ``WorkerInfo.rng`` holds them.
@@ -130,8 +132,7 @@ def _torch_random() -> frozenset[Any]:
             torch.multinomial,
             torch.poisson,
             torch.binomial,
-            torch._standard_gamma,  # torch.distributions' Gamma, Beta, Dirichlet
-            torch._sample_dirichlet,
+            *PRIVATE_SAMPLERS,  # torch.distributions' Gamma, Beta, Dirichlet
             torch.rand_like,
             torch.randn_like,
             torch.randint_like,

@@ -32,9 +32,26 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   generator of its own): a ``RandomSampler`` without a generator draws its order there, as an
   iterable may, once per epoch, at the same point as in the plain loop. Nothing moved: the
   watch is clear for good and prefetching starts (the cost, where the first pull cannot be
-  judged: the second batch is not fetched ahead). Something moved: the source stays in step for the
-  prefetcher's life (exact, but nothing is fetched ahead) and :class:`GlobalDrawsWarning`
-  names the generator, the cost and the fix, once, at the user's line.
+  judged: the second batch is not fetched ahead).
+* Something moved, without threads: each generator is watched on its own. The loop is looked
+  at between two batches too (from the moment it takes a batch to the moment it asks for the
+  next, with no pull in between: what moved then is the loop's own, its step's dropout or a
+  random scale). Once the loop was seen at least once: it drew from none of the source's
+  generators (the usual GPU case: the source's augmentations draw from torch's CPU generator
+  or ``random``, the step's dropout from torch.cuda's), so the source is prefetched
+  (``APART``): each generator it draws from is drawn by nobody else, and so in the plain
+  loop's order. It drew from one of them: the source stays in step for the prefetcher's life
+  (exact, but nothing is fetched ahead) and :class:`GlobalDrawsWarning` names the generator,
+  the cost and the fix, once, at the user's line.
+* While ``APART``, a loop that starts drawing from the source's generators later (its step
+  draws from epoch 3 on; another ``DataLoader``'s ``iter()`` between two epochs fetched ahead)
+  is caught two ways: each pull must find those generators where the last pull left them (a
+  draw between two pulls is someone else's); and every :data:`RECHECK_PULLS` pulls the watch
+  goes back in step (``RECHECK``) until it saw the loop alone between two batches again,
+  for the loop whose draws always fall while a pull runs. Caught: in step for good, and the
+  warning says that the batches loaded ahead before that drew in another order than the
+  plain loop. With ``threads=``, something that moved escaped the samples' own generators
+  (see above): in step for good, its samples loaded one at a time.
 * A ``DataLoader`` with worker processes is clear from the start: its dataset and
   ``collate_fn`` run in the workers, each seeded by the DataLoader; the loop's process draws
   only the workers' base seed, when the epoch's iterator is created (by nostall in the loop's
@@ -42,8 +59,11 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   ``list`` or ``tuple`` of batches (no code runs to make them) without a ``transform=``.
 
 What it cannot see: a source that draws only at later batches or samples, or only sometimes;
-and a draw made meanwhile by another thread of the process reads as the source's (a false
-alarm: it costs speed, and the warning says that it may be another thread's).
+a loop that draws from the source's generators only now and then, and never between two pulls
+nor at a recheck; and a draw made meanwhile by another thread of the process reads as the
+source's (a false alarm: it costs speed, and the warning says that it may be another thread's).
+A state saved while ``APART`` (``state_dict()``) comes with the generators as the producer
+left them, ahead of the loop: see :meth:`DrawWatch.ahead_of_the_loop`.
 """
 
 from __future__ import annotations
@@ -70,7 +90,7 @@ from torch.utils.data import (
 
 from .._torch_compat import index_sampler
 from .._warn import warn
-from .generators import Trial, moved, snapshot
+from .generators import Snapshot, Trial, moved, snapshot
 from .sources import SourceKind
 
 M = TypeVar("M")
@@ -79,6 +99,13 @@ M = TypeVar("M")
 #: the sources that draw (collators, random augmentations) draw at every batch, and each
 #: judged pull is a batch not fetched ahead.
 JUDGED_PULLS = 1
+
+
+#: Pulls of a source that draws, prefetched (APART), between two looks at the loop alone
+#: between two batches (RECHECK: the prefetched batches are handed out, then one is pulled in
+#: step). A loop that starts drawing from the source's generators while a pull runs every
+#: time is seen within this many batches; each look costs about one batch's load.
+RECHECK_PULLS = 100
 
 
 class GlobalDrawsWarning(UserWarning):
@@ -150,15 +177,22 @@ class Watch(enum.Enum):
     CLEAR = "clear"
     #: A judged pull drew: pulls stay in step with the loop for good.
     DRAWS = "draws"
+    #: The source draws, the loop between two batches from none of the same generators:
+    #: prefetching, each pull checked to start where the last one left those generators.
+    APART = "apart"
+    #: APART, back in step with the loop until it saw the loop alone between two batches again.
+    RECHECK = "recheck"
 
 
 class DrawWatch:
     """Whether one prefetcher's source draws from the global generators (see the module).
 
     Invariants:
-        * ``in_step`` is True until a judged pull drew nothing, and then False for good; while
-          it is True the puller pulls only what the loop has asked for (its gate), so no draw
-          of the source moves relative to the loop's own.
+        * ``in_step`` is True while WATCHING, RECHECK and DRAWS; while it is True the puller
+          pulls only what the loop has asked for (its gate), so no draw of the source moves
+          relative to the loop's own. CLEAR is for good; APART only while the loop is seen
+          drawing from none of the generators the source draws from (``drew``).
+        * ``watched``: every pull goes through :meth:`pull` (any state but CLEAR).
         * ``drew`` names what a judged pull drew from; it is reported once, by :meth:`report`,
           in the loop's thread.
     """
@@ -184,34 +218,166 @@ class DrawWatch:
         unwatched = getattr(_context, "unwatched", False)
         self.state = Watch.CLEAR if workers or inert or unwatched else Watch.WATCHING
         self.in_step = self.state is Watch.WATCHING
+        #: Pulls go through :meth:`pull` (any state but CLEAR: counted, judged or checked).
+        self.watched = self.state is not Watch.CLEAR
         self.judged = 0
         self.drew: tuple[str, ...] = ()
         self._reported = False
+        #: What the loop drew from between two batches, where no pull ran meanwhile.
+        self.loop_drew: set[str] = set()
+        #: Such looks at the loop since the watch last went in step (WATCHING or RECHECK).
+        self.loop_seen = 0
+        #: Where a draw of the loop's from the source's generators was seen (APART, RECHECK).
+        self.caught: str | None = None
+        self._pulls = 0  # pulls made through :meth:`pull`, ended
+        self._pulling = False  # one is running now
+        #: (pulls ended, snapshot) when the loop took its last batch, with no pull running.
+        self._handed: tuple[int, Snapshot] | None = None
+        #: The generators where the last pull left them (APART, RECHECK); None: not known.
+        self._left: Snapshot | None = None
+        self._apart_pulls = 0  # pulls since the watch last went APART
+        self.was_apart = False  # batches of a source that draws were prefetched
+        self._told_ahead = False  # see ahead_of_the_loop
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
         #: in it (then prefetching starts after the very first batch, as without the watch).
         self.first_judged = _quiet_start(kind)
 
     def pull(self, pull: Callable[[], M], *, first: bool, ahead: bool = False) -> M:
-        """Call ``pull()`` (a pull made in step); judge it unless it is an epoch's ``first``.
+        """Call ``pull()`` (in step, or APART); judge it unless it is an epoch's ``first``.
 
         An epoch's first pull is judged too where the source's start is known to draw
         nothing (:func:`_quiet_start`), unless its batch was pulled ``ahead``, when the epoch
         was opened (a resumed one: see ``TakenAhead``): then this pull pulls nothing to judge.
+        Without threads, a source seen drawing waits for a look at the loop between two
+        batches (:meth:`step_seen`), which decides whether it may be prefetched.
         """
-        if (first and (ahead or not self.first_judged)) or self.state is not Watch.WATCHING:
-            return pull()
+        state = self.state
+        if state is Watch.APART or state is Watch.RECHECK:
+            return self._pull_apart(pull)
+        if (first and (ahead or not self.first_judged)) or state is not Watch.WATCHING:
+            return self._counted(pull)
+        if self.drew:
+            return self._counted(pull)  # drew: decided by step_seen, or a trial saw it draw
         before = snapshot()
-        message = pull()
+        message = self._counted(pull)
         if self.drew:
             return message  # a trial of its samples saw them draw (:meth:`saw`)
         drew = moved(before, snapshot())
         if drew:
-            self.state, self.drew = Watch.DRAWS, drew
+            self.drew = drew
+            if self.threads is not None:
+                self._to(Watch.DRAWS)  # its samples' draws escaped their own generators
         else:
             self.judged += 1
             if self.judged >= JUDGED_PULLS:
-                self.state, self.in_step = Watch.CLEAR, False
+                self._to(Watch.CLEAR)
         return message
+
+    def _counted(self, pull: Callable[[], M]) -> M:
+        self._pulling = True
+        try:
+            return pull()
+        finally:
+            self._pulling = False
+            self._pulls += 1
+
+    def _pull_apart(self, pull: Callable[[], M]) -> M:
+        """A pull of a source that draws, prefetched: it must start where the last one ended.
+
+        A draw from the source's generators between two pulls was made by someone else (the
+        loop's step, another loader's ``iter()``): the loop is seen drawing from them, and
+        the watch goes in step for good (see :meth:`caught_drawing`).
+        """
+        left, before = self._left, snapshot()
+        if left is not None and self.state is not Watch.DRAWS:
+            between = [g for g in moved(left, before) if g in self.drew]
+            if between:
+                self.caught_drawing(between, "between two batches loaded ahead")
+        message = self._counted(pull)
+        self._left = snapshot()
+        self._apart_pulls += 1
+        if self.state is Watch.APART and self._apart_pulls >= RECHECK_PULLS:
+            self._to(Watch.RECHECK)  # to see the loop alone between two batches again
+        return message
+
+    def handed_out(self) -> None:
+        """The loop takes a batch now (in step): what it draws until it asks again is its own."""
+        if self.threads is None and not self._pulling:
+            pulls = self._pulls
+            self._handed = (pulls, snapshot())
+
+    def step_seen(self) -> bool:
+        """The loop asks for the next batch (in step): see what it drew since it took the last.
+
+        Returns whether the source is still pulled in step (:attr:`in_step`).
+
+        Only a look where no pull ran in between counts (a pull's own draws would read as the
+        loop's). Once the source is known to draw and the loop was seen at least once since
+        the watch went in step: from none of the same generators, the source is prefetched
+        (APART); from one of them, it stays in step for good (DRAWS, reported).
+        """
+        handed, self._handed = self._handed, None
+        if handed is None or self.threads is not None:
+            return self.in_step
+        now = snapshot()
+        if self._pulling or self._pulls != handed[0]:
+            return self.in_step  # a pull ran meanwhile: not the loop's draws alone
+        self.loop_drew.update(moved(handed[1], now))
+        self.loop_seen += 1
+        if not self.drew or self.state not in (Watch.WATCHING, Watch.RECHECK):
+            return self.in_step
+        shared = [g for g in self.drew if g in self.loop_drew]
+        if shared:
+            self.caught_drawing(shared, "between two batches, as the source does")
+        else:
+            self._to(Watch.APART)
+        return self.in_step
+
+    def caught_drawing(self, generators: list[str], where: str) -> None:
+        """The loop drew from the source's ``generators``: in step for good, reported."""
+        if self.caught is None:
+            self.caught = f"{' and '.join(generators)}, {where}"
+        self.loop_drew.update(generators)
+        self._to(Watch.DRAWS)
+
+    def ahead_of_the_loop(self) -> None:
+        """A state is saved (``state_dict()``) while APART: warn, once, at the user's line.
+
+        The source's generators were drawn for the batches loaded ahead: a checkpoint that
+        saves them now holds them ahead of the plain loop's, and a run resumed from it would
+        draw other values for the batches after the state than the uninterrupted run.
+        """
+        if self.state not in (Watch.APART, Watch.RECHECK) or self._told_ahead:
+            return
+        self._told_ahead = True
+        if getattr(_context, "unreported", False):
+            return
+        what = " and ".join(self.drew)
+        warn(
+            f"nostall: state_dict() while batches of {_who(self.kind)} are loaded ahead: it "
+            f"draws from {what}, and your loop from none of them, so each batch draws what "
+            f"the plain loop draws, but {what} is now ahead of your loop by the batches loaded "
+            f"ahead. Saved with your checkpoint, it would make a resumed run draw other values "
+            f"for the batches after this state than the uninterrupted run. To resume with the "
+            f"same draws, give the draws a seeded generator of their own (e.g. "
+            f"torch.rand(..., generator=g) with g = torch.Generator().manual_seed(0)), or load "
+            f"with threads=2 (each sample's draws follow its place in the epoch, also after a "
+            f"resume)",
+            GlobalDrawsWarning,
+        )
+
+    def forget_left(self) -> None:
+        """An epoch was opened in the loop's thread: its draws come before the next pull."""
+        self._left = None
+
+    def _to(self, state: Watch) -> None:
+        self.state = state
+        self.in_step = state in (Watch.WATCHING, Watch.DRAWS, Watch.RECHECK)
+        self.watched = state is not Watch.CLEAR
+        if state is Watch.RECHECK or state is Watch.WATCHING:
+            self.loop_seen = 0
+        if state is Watch.APART:
+            self._apart_pulls, self.was_apart = 0, True
 
     def trial(self) -> Trial | None:
         """A :class:`Trial` for the samples started now, or None to load them one at a time.
@@ -227,7 +393,8 @@ class DrawWatch:
     def saw(self, drew: tuple[str, ...]) -> None:
         """A trial's samples drew from ``drew``: in step for good, reported at the next pull."""
         if self.state is Watch.WATCHING:
-            self.state, self.drew = Watch.DRAWS, drew
+            self.drew = drew
+            self._to(Watch.DRAWS)
 
     def report(self) -> None:
         """Warn once, at the user's line, that the source draws (loop's thread, after a pull)."""
@@ -277,6 +444,19 @@ class DrawWatch:
                 "not the values num_workers=0 draws"
             )
         seen = "seen while loading a batch; another thread of yours drawing then looks the same"
+        if self.caught is not None and self.threads is None:
+            done = (
+                f"and so does your loop: it drew from {self.caught} (your step, or another "
+                f"loader's iter()), so loading ahead in a background thread would interleave "
+                f"the two in whatever order the threads run. nostall loads each batch only when "
+                f"your loop asks for it from now on, as the DataLoader itself does: the same "
+                f"draws as without nostall, but nothing is fetched ahead"
+            )
+            if self.was_apart:
+                done += (
+                    " (the batches it had loaded ahead before it saw this drew in another "
+                    "order than without nostall)"
+                )
         return f"nostall: {who} draws from {what} ({seen}), {done}. {fix}."
 
 
