@@ -278,3 +278,12 @@ def test_the_calls_per_batch_do_not_grow(path: str) -> None:
     modules = crossed.group(1).split(", ")
     assert all(m.startswith("nostall/") for m in modules), modules
     assert len(modules) <= MODULES_PER_BATCH, done.stdout
+
+
+def test_augmented_prefetch_loads_ahead_with_the_plain_loops_batches(tmp_path: Path) -> None:
+    """Random crops and flips from torch's generator, a step that draws none: loaded ahead."""
+    args = ("--batches", "4", "--batch-size", "2", "--size", "32", "--repeats", "1")
+    done = run_here("augmented_prefetch.py", *args, "--step-ms", "5", "--jpeg-cache", str(tmp_path))
+    assert 0 == done.returncode, done.stderr
+    assert "nostall's watch ended 'apart'; the batches equal" in done.stdout
+    assert "x the plain loop (per repeat" in done.stdout

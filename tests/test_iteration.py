@@ -6,7 +6,7 @@ test_epochs.py, test_exit.py); here, what belongs to the iterator alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -151,8 +151,13 @@ def test_a_refused_producer_thread_raises_the_os_error_then_next_goes_on() -> No
 # -- warnings turned into errors (python -W error), in a loop that catches and goes on -----------
 
 
-def _every_batch_catching_warnings(batches: Any) -> tuple[list[Any], list[str]]:
-    """One epoch as a loop that turns warnings into errors, catches them and goes on."""
+def _every_batch_catching_warnings(
+    batches: Any, draw: Callable[[], Any] = lambda: None
+) -> tuple[list[Any], list[str]]:
+    """One epoch as a loop that turns warnings into errors, catches them and goes on.
+
+    Its step makes a ``draw()`` after each batch.
+    """
     import warnings
 
     seen: list[Any] = []
@@ -169,6 +174,7 @@ def _every_batch_catching_warnings(batches: Any) -> tuple[list[Any], list[str]]:
                 said.append(str(w))
                 continue
             seen.append(batch.tolist())
+            draw()
 
 
 def _drawing_collate(items: list[int]) -> torch.Tensor:
@@ -180,7 +186,7 @@ def test_a_draw_warning_made_an_error_loses_no_batch_and_the_epoch_ends() -> Non
     """Said once, before the next batch is taken: every batch, then the end (it hung before)."""
     loader = DataLoader(as_dataset(range(12)), batch_size=2, collate_fn=_drawing_collate)
     p = nostall.prefetch(loader, "cpu")
-    seen, said = _every_batch_catching_warnings(p)
+    seen, said = _every_batch_catching_warnings(p, lambda: torch.rand(()))  # as the collate
     p.close()
     assert [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]] == seen
     assert 1 == len(said)
