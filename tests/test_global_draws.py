@@ -700,3 +700,19 @@ def test_a_state_saved_while_a_drawing_source_is_loaded_ahead_says_so() -> None:
         quiet = nostall.prefetch(loader(), "cpu")
         next(iter(quiet))
         quiet.state_dict()  # a source that draws nothing: nothing to say
+
+
+def test_an_epoch_opened_in_the_loops_thread_is_not_read_as_the_loops_draw() -> None:
+    """Opening draws (a DataLoader's base seed) between two looks: that look does not count.
+
+    A loop that never asks for an epoch's end (Lightning takes len() batches) opens the next
+    epoch at its next next(), after the last batch it took, before any pull.
+    """
+    watch = DrawWatch(classify(loader(Jittered())))
+    watch.pull(lambda: torch.rand(()), first=False)
+    watch.handed_out()
+    watch.forget_left()  # the next epoch, opened in the loop's thread
+    torch.rand(())  # as DataLoader.__iter__ draws its base seed
+    watch.step_seen()
+    assert 0 == watch.loop_seen
+    assert Watch.WATCHING is state_of(watch)

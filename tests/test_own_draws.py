@@ -182,11 +182,32 @@ def test_what_is_left_out_draws_from_the_global_generator() -> None:
         assert (TORCH,) == moved(before, snapshot())
 
 
-def test_a_random_op_for_another_device_is_left_alone() -> None:
-    """The sample's generator is a CPU one: a factory for another device keeps its own."""
-    assert own_draws._on_cpu((), {})
-    assert own_draws._on_cpu((torch.zeros(1),), {})
-    assert not own_draws._on_cpu((), {"device": "meta"})
-    assert not own_draws._on_cpu((torch.zeros(1, device="meta"),), {})
+def test_a_random_op_for_another_device_or_with_its_own_generator_is_left_alone() -> None:
+    """The sample's generator is a CPU one; a generator given by position is the caller's."""
+    assert own_draws._routable((), {})
+    assert own_draws._routable((torch.zeros(1),), {})
+    assert own_draws._routable((), {"tensor": torch.zeros(1)})
+    assert not own_draws._routable((), {"device": "meta"})
+    assert not own_draws._routable((torch.zeros(1, device="meta"),), {})
+    assert not own_draws._routable((), {"tensor": torch.zeros(1, device="meta")})  # nn.init
+    assert not own_draws._routable((torch.ones(2), torch.Generator()), {})
     with routed(SampleRng(1)):
         assert "meta" == torch.rand(2, device="meta").device.type
+        torch.nn.init.uniform_(torch.empty(2, device="meta"))  # tensor= by keyword: left alone
+        g = torch.Generator().manual_seed(4)
+        drawn = torch.poisson(torch.ones(3), g)  # by position: the caller's
+    torch.testing.assert_close(
+        drawn, torch.poisson(torch.ones(3), torch.Generator().manual_seed(4))
+    )
+
+
+def test_the_routing_functions_pickle_as_the_originals_do() -> None:
+    """A dataset holding random.random (or a partial of it) still pickles (spawned workers)."""
+    import functools
+    import pickle
+
+    install()
+    for function in (random.random, np.random.uniform, np.random.sample):
+        assert function is pickle.loads(pickle.dumps(function))
+    scaled = pickle.loads(pickle.dumps(functools.partial(np.random.uniform, 0.0)))
+    assert 0.0 <= scaled(1.0) < 1.0

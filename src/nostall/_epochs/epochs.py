@@ -433,8 +433,9 @@ class EpochSource:
         in step with the loop (a source that draws is pulled in step, so its next epoch is
         drawn only when the loop asks for it, after the state was saved).
         """
-        if self.stateful or not self.across_epochs or self.draws.in_step:
-            return {}
+        draws = self.draws
+        if self.stateful or not self.across_epochs or (draws.in_step and not draws.was_apart):
+            return {}  # (once prefetched, the next epoch may have been opened ahead)
         return {"next_rng": self.orders.next_draws_from(epoch)}
 
     def start_state(self) -> Any:

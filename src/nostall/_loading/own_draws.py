@@ -176,15 +176,25 @@ class _OwnTorch(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _TAKE_GENERATOR and kwargs.get("generator") is None:
             rng = _here.rng
-            if rng is not None and _on_cpu(args, kwargs):
+            if rng is not None and _routable(args, kwargs):
                 kwargs = {**kwargs, "generator": rng.torch_generator}
         return func(*args, **kwargs)
 
 
-def _on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the random op draws for a CPU tensor (the sample's generator is a CPU one)."""
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0].device.type == "cpu"
+def _routable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the sample's generator may be given to this call of a random op.
+
+    Not where a generator was given by position; only where the op draws for CPU tensors
+    (the sample's generator is a CPU one). Its tensor may come by position or by keyword
+    (``nn.init`` passes ``tensor=``); a factory's device is its ``device=``, else torch's
+    default device.
+    """
+    values = (*args, *kwargs.values())
+    if any(isinstance(v, torch.Generator) for v in values):
+        return False  # torch.poisson(rates, g): the caller's generator, by position
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
     device = kwargs.get("device")
     if device is None:
         device = torch.get_default_device()
@@ -207,14 +217,16 @@ def install() -> None:
             _replace(random, random._inst, lambda rng: rng.random_generator)
             _installed["random"] = True
         numpy: Any = sys.modules.get("numpy")
-        if not _installed["numpy"] and numpy is not None:
+        mtrand = getattr(getattr(numpy, "random", None), "mtrand", None)
+        if not _installed["numpy"] and getattr(mtrand, "_rand", None) is not None:
             _replace(numpy.random, numpy.random.mtrand._rand, _legacy)
             # Module functions of NumPy's that draw from the same state without being its
             # bound methods: routed to the sample's methods of the same meaning.
             for name, method in (("seed", "seed"), ("sample", "random_sample")):
                 original = getattr(numpy.random, name, None)
                 if original is not None:
-                    setattr(numpy.random, name, _routing(method, original, _legacy))
+                    routing = _routing(numpy.random, name, method, original, _legacy)
+                    setattr(numpy.random, name, routing)
             if hasattr(numpy.random, "ranf"):
                 numpy.random.ranf = numpy.random.sample
             _installed["numpy"] = True
@@ -225,7 +237,8 @@ def _legacy(rng: SampleRng) -> Any:
 
 
 def _numpy_pending() -> bool:
-    return not _installed["numpy"] and "numpy" in sys.modules
+    # Once its random module is loaded: "numpy" is in sys.modules while it is still importing.
+    return not _installed["numpy"] and "numpy.random.mtrand" in sys.modules
 
 
 def _replace(module: Any, instance: Any, own: Callable[[SampleRng], Any]) -> None:
@@ -234,16 +247,27 @@ def _replace(module: Any, instance: Any, own: Callable[[SampleRng], Any]) -> Non
         original = getattr(module, name)
         if getattr(original, "__self__", None) is not instance or name.startswith("_"):
             continue
-        setattr(module, name, _routing(name, original, own))
+        setattr(module, name, _routing(module, name, name, original, own))
 
 
-def _routing(name: str, original: Callable[..., Any], own: Callable[[SampleRng], Any]) -> Any:
+def _routing(
+    module: Any,
+    attribute: str,
+    method: str,
+    original: Callable[..., Any],
+    own: Callable[[SampleRng], Any],
+) -> Any:
+    """``module.attribute``'s replacement: ``original``, or ``own(rng).method`` when routed."""
+
     @functools.wraps(original)
     def draw(*args: Any, **kwargs: Any) -> Any:
         rng = _here.rng
         if rng is None:
             return original(*args, **kwargs)
-        return getattr(own(rng), name)(*args, **kwargs)
+        return getattr(own(rng), method)(*args, **kwargs)
 
     draw.__nostall_routes__ = original  # type: ignore[attr-defined]
+    # Pickled by reference, as the original is (a dataset holding random.random, a partial
+    # of np.random.uniform): found again under the module's own name.
+    draw.__module__, draw.__qualname__ = module.__name__, attribute
     return draw

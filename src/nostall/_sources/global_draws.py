@@ -60,8 +60,10 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
 
 What it cannot see: a source that draws only at later batches or samples, or only sometimes;
 a loop that draws from the source's generators only now and then, and never between two pulls
-nor at a recheck; and a draw made meanwhile by another thread of the process reads as the
-source's (a false alarm: it costs speed, and the warning says that it may be another thread's).
+nor at a recheck (a one-off draw made while a pull runs, as another loader's ``iter()`` in the
+middle of an epoch, where loading is the bottleneck and a pull nearly always runs); and a draw
+made meanwhile by another thread of the process reads as the source's (a false alarm: it costs
+speed, and the warning says that it may be another thread's).
 A state saved while ``APART`` (``state_dict()``) comes with the generators as the producer
 left them, ahead of the loop: see :meth:`DrawWatch.ahead_of_the_loop`.
 """
@@ -238,6 +240,8 @@ class DrawWatch:
         self._apart_pulls = 0  # pulls since the watch last went APART
         self.was_apart = False  # batches of a source that draws were prefetched
         self._told_ahead = False  # see ahead_of_the_loop
+        #: Serialises the state's changes made from the loop's thread and the producer's.
+        self._lock = threading.Lock()
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
         #: in it (then prefetching starts after the very first batch, as without the watch).
         self.first_judged = _quiet_start(kind)
@@ -278,8 +282,9 @@ class DrawWatch:
         try:
             return pull()
         finally:
-            self._pulling = False
+            # Counted before it is marked ended: a look read between the two must not pass.
             self._pulls += 1
+            self._pulling = False
 
     def _pull_apart(self, pull: Callable[[], M]) -> M:
         """A pull of a source that draws, prefetched: it must start where the last one ended.
@@ -297,7 +302,9 @@ class DrawWatch:
         self._left = snapshot()
         self._apart_pulls += 1
         if self.state is Watch.APART and self._apart_pulls >= RECHECK_PULLS:
-            self._to(Watch.RECHECK)  # to see the loop alone between two batches again
+            with self._lock:
+                if self.state is Watch.APART:
+                    self._to(Watch.RECHECK)  # to see the loop alone between two batches again
         return message
 
     def handed_out(self) -> None:
@@ -330,15 +337,18 @@ class DrawWatch:
         if shared:
             self.caught_drawing(shared, "between two batches, as the source does")
         else:
-            self._to(Watch.APART)
+            with self._lock:  # a pull may have caught the loop drawing meanwhile: that stays
+                if self.state in (Watch.WATCHING, Watch.RECHECK):
+                    self._to(Watch.APART)
         return self.in_step
 
     def caught_drawing(self, generators: list[str], where: str) -> None:
         """The loop drew from the source's ``generators``: in step for good, reported."""
-        if self.caught is None:
-            self.caught = f"{' and '.join(generators)}, {where}"
-        self.loop_drew.update(generators)
-        self._to(Watch.DRAWS)
+        with self._lock:
+            if self.caught is None:
+                self.caught = f"{' and '.join(generators)}, {where}"
+            self.loop_drew.update(generators)
+            self._to(Watch.DRAWS)
 
     def ahead_of_the_loop(self) -> None:
         """A state is saved (``state_dict()``) while APART: warn, once, at the user's line.
@@ -347,8 +357,8 @@ class DrawWatch:
         saves them now holds them ahead of the plain loop's, and a run resumed from it would
         draw other values for the batches after the state than the uninterrupted run.
         """
-        if self.state not in (Watch.APART, Watch.RECHECK) or self._told_ahead:
-            return
+        if not self.was_apart or self._told_ahead:
+            return  # (after a catch, batches loaded ahead before it may still be queued)
         self._told_ahead = True
         if getattr(_context, "unreported", False):
             return
@@ -356,9 +366,10 @@ class DrawWatch:
         warn(
             f"nostall: state_dict() while batches of {_who(self.kind)} are loaded ahead: it "
             f"draws from {what}, and your loop from none of them, so each batch draws what "
-            f"the plain loop draws, but {what} is now ahead of your loop by the batches loaded "
-            f"ahead. Saved with your checkpoint, it would make a resumed run draw other values "
-            f"for the batches after this state than the uninterrupted run. To resume with the "
+            f"the plain loop draws, but {what} may now be ahead of your loop by the batches "
+            f"loaded ahead. Saved with your checkpoint, it would make a resumed run draw other "
+            f"values for the batches after this state than the uninterrupted run. To resume "
+            f"with the "
             f"same draws, give the draws a seeded generator of their own (e.g. "
             f"torch.rand(..., generator=g) with g = torch.Generator().manual_seed(0)), or load "
             f"with threads=2 (each sample's draws follow its place in the epoch, also after a "
@@ -367,8 +378,13 @@ class DrawWatch:
         )
 
     def forget_left(self) -> None:
-        """An epoch was opened in the loop's thread: its draws come before the next pull."""
+        """An epoch was opened in the loop's thread: its draws come before the next pull.
+
+        Nor is the look at the loop since its last batch the loop's alone any more: opening
+        draws (a DataLoader's base seed, a resumed epoch's states set back) without a pull.
+        """
         self._left = None
+        self._handed = None
 
     def _to(self, state: Watch) -> None:
         self.state = state
@@ -454,8 +470,8 @@ class DrawWatch:
             )
             if self.was_apart:
                 done += (
-                    " (the batches it had loaded ahead before it saw this drew in another "
-                    "order than without nostall)"
+                    " (the batches it had loaded ahead up to the one it saw this at, and "
+                    "possibly the next, drew in another order than without nostall)"
                 )
         return f"nostall: {who} draws from {what} ({seen}), {done}. {fix}."
 
