@@ -14,7 +14,7 @@ from ._engine.lineage import Lineage
 from ._engine.profile import StallRecorder, StallReport
 from ._engine.settings import Settings
 from ._epochs.epochs import EpochSource
-from ._epochs.resume import loaded_position, state_of, uncounts
+from ._epochs.resume import loaded_position, state_of, uncounts, with_source_draws
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._loader_attributes import LoaderAttributes
 from ._sources.checks import (
@@ -357,8 +357,10 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         held = 0 if active is None else active.held_ahead()
         if held and lineage.at.loaded is None and not uncounts(lineage.at, lineage.epochs):
             warn_counted_ahead(describe(self._source), held, lineage.epochs.stateful)
-        lineage.epochs.draws.ahead_of_the_loop()  # a source that draws, loaded ahead
-        return state_of(lineage.at, lineage.epochs, held)
+        state = state_of(lineage.at, lineage.epochs, held)
+        if lineage.epochs.draws.was_apart and lineage.at.loaded is None:
+            with_source_draws(state, lineage.epochs.draws)  # a source that draws, loaded ahead
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state``: the next iteration yields the rest of its epoch.

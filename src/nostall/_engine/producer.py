@@ -158,12 +158,16 @@ class Puller:
             return self.pull_unwatched()
         first = self.batches is None or self.untouched
         ahead = first and isinstance(self.batches, TakenAhead)  # its batch already pulled
-        message = draws.pull(self.pull_unwatched, first=first, ahead=ahead)
+        message = draws.pull(self.pull_unwatched, first=first, ahead=ahead, at=self._at)
         self.untouched = False
         self.wanted.clear()
         if not self.epochs.draws.in_step:  # read again: the pull may have judged it
             self.channel.wake.set()  # judged clear: the producer may run ahead from now on
         return message
+
+    def _at(self) -> tuple[int, int]:
+        """The epoch being pulled and its batches pulled so far (after a pull: its place)."""
+        return self.epoch, self.pulled
 
     @property
     def phase(self) -> str:

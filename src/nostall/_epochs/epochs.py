@@ -29,7 +29,7 @@ from .._loading.threadable import warn_unpinned, warn_unseeded_threads
 from .._loading.threaded_stream import ThreadedStream
 from .._loading.threads import ThreadedEpoch
 from .._sources.checks import SameEpochWatch
-from .._sources.generators import HandBack, Saved
+from .._sources.generators import HandBack, Saved, set_states
 from .._sources.global_draws import DrawWatch
 from .._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from .._sources.sources import Client, classify
@@ -347,6 +347,14 @@ class EpochSource:
         """
         rng = replay["rng"]
         back, drew = HandBack(rng["torch"]), False  # back(): once the order and skips drew
+        source_draws = replay.get("source_draws")
+
+        def given_back() -> None:
+            """The user's generators back; a prefetched source's as after the state's batch."""
+            back()
+            if source_draws is not None:
+                set_states(source_draws)  # see resume.with_source_draws
+
         if self.count is not None:
             self.count.restore(replay)
         self.orders.opened(epoch, self.source, rng, fresh_iterator=replay["fresh_iterator"])
@@ -362,9 +370,9 @@ class EpochSource:
                 for _ in itertools.islice(it, skipped):
                     pass
                 if skipped:
-                    back()
+                    given_back()
             else:
-                it = skip_ahead(self.iterable, skipped, self._iterate, back)
+                it = skip_ahead(self.iterable, skipped, self._iterate, given_back)
             # Pull the first batch now: a sampler may draw its order lazily at its first item
             # (where batches were skipped, the skip gave the generators back right after it).
             # A batch that raises raises at its next(), as uninterrupted: not taken for the

@@ -23,6 +23,7 @@ The dictionary, version :data:`STATE_VERSION`::
 from __future__ import annotations
 
 import dataclasses
+import random
 import sys
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 
 from .._arguments import kind, received
 from .._clients.fabric import check_count
+from .._sources.generators import as_tuples
+from .._sources.global_draws import DrawWatch
 from .._sources.samplers import describe_order
 from .._transform_state import StatefulTransform
 from .epochs import AS_BUILT, EpochSource
@@ -147,6 +150,24 @@ def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]
     if at.transform_state is not None:
         state["transform"] = at.transform_state
     return state
+
+
+def with_source_draws(state: dict[str, Any], draws: DrawWatch) -> None:
+    """Add to ``state`` the source's generators as they were after its last batch.
+
+    For a source that draws and was loaded ahead (``draws.was_apart``): the generators the
+    user's checkpoint saves are ahead of the loop by the batches loaded ahead; a resumed run
+    sets the source's ones back to these once the batches before the state are skipped
+    (``EpochSource._replay``), so that the batches after it draw what they drew. Inside an
+    epoch only; elsewhere (or not recorded) ``draws`` warns instead.
+    """
+    replay, batches = state.get("replay"), state.get("batches_yielded")
+    if isinstance(replay, dict) and batches and "end_of" not in replay:
+        found = draws.states_after(state["epoch"], batches)
+        if found is not None:
+            state["replay"] = {**replay, "source_draws": found}
+            return
+    draws.ahead_of_the_loop()
 
 
 def loaded_position(
@@ -380,6 +401,7 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
             f"{where}['rng'] must be a dict of generator states with a 'torch' entry ("
             f"{received(rng)}); pass a state from Prefetcher.state_dict()"
         )
+    _check_source_draws(replay.get("source_draws"), f"{where}['source_draws']")
     for name, value in rng.items():
         try:
             torch.Generator().set_state(value)  # the same check a real restore would make
@@ -388,3 +410,27 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
                 f"{where}['rng'][{name!r}] is not a CPU generator state ({e}); the "
                 f"checkpoint is damaged or not from Prefetcher.state_dict()"
             ) from e
+
+
+def _check_source_draws(saved: object, where: str) -> None:
+    """Refuse a ``source_draws`` entry that a resume could not set (see ``with_source_draws``)."""
+    if saved is None:
+        return
+    fix = "the checkpoint is damaged or not from Prefetcher.state_dict()"
+    if not isinstance(saved, dict) or not set(saved) <= {"torch", "random", "numpy"}:
+        raise ValueError(
+            f"{where} must be a dict of the 'torch', 'random' and 'numpy' generators' states "
+            f"({received(saved)}); {fix}"
+        )
+    try:
+        if "torch" in saved:
+            torch.Generator().set_state(saved["torch"])
+        if "random" in saved:
+            random.Random().setstate(as_tuples(saved["random"]))
+        if "numpy" in saved:
+            kind, keys, position, _, _ = saved["numpy"]
+            if kind != "MT19937" or not isinstance(keys, torch.Tensor) or keys.numel() != 624:
+                raise ValueError(f"not a NumPy MT19937 state: {kind!r}")
+            _check_count(position, f"{where}['numpy'] position")
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where} holds a state that cannot be set back ({e}); {fix}") from e

@@ -142,6 +142,56 @@ class Trial:
         return self.drew
 
 
+#: The generators whose whole states :func:`states_of` reads, by the names messages use.
+STATE_KEYS = {TORCH: "torch", PYTHON: "random", NUMPY: "numpy"}
+
+
+def states_of(names: tuple[str, ...], now: Snapshot | None = None) -> dict[str, Any] | None:
+    """The whole states of the generators ``names`` (as :data:`TORCH` ... name them), to save.
+
+    Plain types and tensors only (a checkpoint may be loaded with ``weights_only=True``):
+    NumPy's keys as an int64 tensor. ``now``: a snapshot just taken (its torch and Python
+    states are whole). None where one of them cannot be saved (torch.cuda's).
+    """
+    if any(name not in STATE_KEYS for name in names):
+        return None
+    now = now or snapshot()
+    states: dict[str, Any] = {}
+    for name in names:
+        if name == TORCH:
+            states["torch"] = now.torch
+        elif name == PYTHON:
+            states["random"] = now.python
+        else:
+            numpy: Any = sys.modules.get("numpy")
+            kind, keys, position, has_gauss, gauss = numpy.random.get_state()
+            keys = torch.from_numpy(keys.astype(numpy.int64))
+            states["numpy"] = (kind, keys, int(position), int(has_gauss), float(gauss))
+    return states
+
+
+def set_states(states: dict[str, Any]) -> None:
+    """Set the generators :func:`states_of` saved to those states."""
+    for key, state in states.items():
+        if key == "torch":
+            torch.set_rng_state(state)
+        elif key == "random":
+            random.setstate(as_tuples(state))
+        elif key == "numpy":
+            import numpy as np
+
+            kind, keys, position, has_gauss, gauss = state
+            keys = np.asarray(keys.numpy(), dtype=np.uint32)
+            np.random.set_state((kind, keys, position, has_gauss, gauss))
+
+
+def as_tuples(state: Any) -> Any:
+    """Python's ``random`` state with its lists made tuples again (a checkpoint may list them)."""
+    if isinstance(state, list):
+        return tuple(as_tuples(item) for item in state)
+    return state
+
+
 def _cuda_generators() -> tuple[torch.Generator, ...]:
     """torch.cuda's default generators, once CUDA is initialised (reading must not init it)."""
     if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]

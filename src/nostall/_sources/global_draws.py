@@ -64,12 +64,15 @@ nor at a recheck (a one-off draw made while a pull runs, as another loader's ``i
 middle of an epoch, where loading is the bottleneck and a pull nearly always runs); and a draw
 made meanwhile by another thread of the process reads as the source's (a false alarm: it costs
 speed, and the warning says that it may be another thread's).
-A state saved while ``APART`` (``state_dict()``) comes with the generators as the producer
-left them, ahead of the loop: see :meth:`DrawWatch.ahead_of_the_loop`.
+A state saved once ``APART`` (``state_dict()``) meets generators the producer left ahead of
+the loop: inside an epoch it holds the source's as after its last batch
+(:meth:`DrawWatch.states_after`, set back by a resumed run); elsewhere it warns
+(:meth:`DrawWatch.ahead_of_the_loop`).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import random
 import sys
@@ -92,7 +95,7 @@ from torch.utils.data import (
 
 from .._torch_compat import index_sampler
 from .._warn import warn
-from .generators import Snapshot, Trial, moved, snapshot
+from .generators import Snapshot, Trial, moved, snapshot, states_of
 from .sources import SourceKind
 
 M = TypeVar("M")
@@ -102,6 +105,10 @@ M = TypeVar("M")
 #: judged pull is a batch not fetched ahead.
 JUDGED_PULLS = 1
 
+
+#: The states of a prefetched source's generators kept, one per batch pulled ahead: a state
+#: saved within this many batches of the producer's finds the one after its last batch.
+KEPT_STATES = 256
 
 #: Pulls of a source that draws, prefetched (APART), between two looks at the loop alone
 #: between two batches (RECHECK: the prefetched batches are handed out, then one is pulled in
@@ -240,24 +247,37 @@ class DrawWatch:
         self._apart_pulls = 0  # pulls since the watch last went APART
         self.was_apart = False  # batches of a source that draws were prefetched
         self._told_ahead = False  # see ahead_of_the_loop
+        #: (epoch, batches pulled) -> the source's generators' states then (states_after).
+        self._after: collections.OrderedDict[tuple[int, int], dict[str, Any]] = (
+            collections.OrderedDict()
+        )
         #: Serialises the state's changes made from the loop's thread and the producer's.
         self._lock = threading.Lock()
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
         #: in it (then prefetching starts after the very first batch, as without the watch).
         self.first_judged = _quiet_start(kind)
 
-    def pull(self, pull: Callable[[], M], *, first: bool, ahead: bool = False) -> M:
+    def pull(
+        self,
+        pull: Callable[[], M],
+        *,
+        first: bool,
+        ahead: bool = False,
+        at: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    ) -> M:
         """Call ``pull()`` (in step, or APART); judge it unless it is an epoch's ``first``.
 
         An epoch's first pull is judged too where the source's start is known to draw
         nothing (:func:`_quiet_start`), unless its batch was pulled ``ahead``, when the epoch
         was opened (a resumed one: see ``TakenAhead``): then this pull pulls nothing to judge.
         Without threads, a source seen drawing waits for a look at the loop between two
-        batches (:meth:`step_seen`), which decides whether it may be prefetched.
+        batches (:meth:`step_seen`), which decides whether it may be prefetched. ``at()``,
+        after the pull: (the epoch, its batches pulled), under which the source's generators
+        are recorded once it is prefetched (:meth:`states_after`).
         """
         state = self.state
         if state is Watch.APART or state is Watch.RECHECK:
-            return self._pull_apart(pull)
+            return self._pull_apart(pull, at)
         if (first and (ahead or not self.first_judged)) or state is not Watch.WATCHING:
             return self._counted(pull)
         if self.drew:
@@ -286,7 +306,16 @@ class DrawWatch:
             self._pulls += 1
             self._pulling = False
 
-    def _pull_apart(self, pull: Callable[[], M]) -> M:
+    def states_after(self, epoch: int, batches: int) -> dict[str, Any] | None:
+        """The source's generators' whole states right after batch ``batches`` of ``epoch``.
+
+        Recorded as each batch is pulled ahead (APART, RECHECK), the last ones kept: what a
+        state saved after that batch needs, so that a resumed run draws on from there, as
+        the uninterrupted one did. None where not recorded.
+        """
+        return self._after.get((epoch, batches))
+
+    def _pull_apart(self, pull: Callable[[], M], at: Callable[[], tuple[int, int]]) -> M:
         """A pull of a source that draws, prefetched: it must start where the last one ended.
 
         A draw from the source's generators between two pulls was made by someone else (the
@@ -299,7 +328,12 @@ class DrawWatch:
             if between:
                 self.caught_drawing(between, "between two batches loaded ahead")
         message = self._counted(pull)
-        self._left = snapshot()
+        self._left = left = snapshot()
+        saved = states_of(self.drew, left)
+        if saved is not None:
+            self._after[at()] = saved
+            while len(self._after) > KEPT_STATES:
+                self._after.popitem(last=False)
         self._apart_pulls += 1
         if self.state is Watch.APART and self._apart_pulls >= RECHECK_PULLS:
             with self._lock:
@@ -351,11 +385,14 @@ class DrawWatch:
             self._to(Watch.DRAWS)
 
     def ahead_of_the_loop(self) -> None:
-        """A state is saved (``state_dict()``) while APART: warn, once, at the user's line.
+        """A state saved after a prefetched source drew cannot set its generators back: warn.
 
         The source's generators were drawn for the batches loaded ahead: a checkpoint that
-        saves them now holds them ahead of the plain loop's, and a run resumed from it would
-        draw other values for the batches after the state than the uninterrupted run.
+        saves them now holds them ahead of the plain loop's. A state saved inside an epoch
+        holds the states after its last batch (:meth:`states_after`), which a resumed run sets
+        back; one saved at an epoch's start or end, over a stateful source, or with
+        torch.cuda's generator among the source's, cannot: then a run resumed from it would
+        draw other values for the batches after the state than the uninterrupted run. Once.
         """
         if not self.was_apart or self._told_ahead:
             return  # (after a catch, batches loaded ahead before it may still be queued)
