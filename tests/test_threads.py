@@ -126,27 +126,36 @@ def test_thread_safe_generator_gives_the_samples_own_generator() -> None:
     torch.testing.assert_close(torch.cat(draws[0]), torch.cat(draws[1]), rtol=0, atol=0)
 
 
-def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew() -> None:
-    """Per-sample random state follows the sample's place in the epoch, across a resume."""
-    g = torch.Generator()
+def after_two_whole_and_resumed(
+    build: Callable[[], DataLoader[Any]], seed: Callable[[], object]
+) -> tuple[list[Any], list[Any]]:
+    """An epoch's batches after its second: uninterrupted (2 threads), and resumed (3 threads).
 
-    def build() -> Any:
-        return DataLoader(Numbers(), batch_size=4, shuffle=True, generator=g)
-
-    g.manual_seed(2)
+    ``seed()`` before each of the two runs that save the state; the resumed run is seeded
+    otherwise (the state decides).
+    """
+    seed()
     whole = list(nostall.prefetch(build(), "cpu", threads=2))
-    g.manual_seed(2)
+    seed()
     first = nostall.prefetch(build(), "cpu", threads=2)
     it = iter(first)
     next(it), next(it)
     state = first.state_dict()
+    torch.manual_seed(99)
     resumed = nostall.prefetch(build(), "cpu", threads=3)
     resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert first_parts(whole[2:]) == first_parts(rest)
-    torch.testing.assert_close(
-        torch.cat([b[1] for b in whole[2:]]), torch.cat([b[1] for b in rest])
+    return whole[2:], list(resumed)
+
+
+def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew() -> None:
+    """Per-sample random state follows the sample's place in the epoch, across a resume."""
+    g = torch.Generator()
+    whole, rest = after_two_whole_and_resumed(
+        lambda: DataLoader(Numbers(), batch_size=4, shuffle=True, generator=g),
+        lambda: g.manual_seed(2),
     )
+    assert first_parts(whole) == first_parts(rest)
+    torch.testing.assert_close(torch.cat([b[1] for b in whole]), torch.cat([b[1] for b in rest]))
 
 
 def test_look_ahead_follows_the_room_it_is_given() -> None:
@@ -883,20 +892,11 @@ def test_global_draws_under_threads_load_in_parallel_and_repeat_whatever_the_cou
 
 
 def test_global_draws_of_a_resumed_epoch_are_the_uninterrupted_ones() -> None:
-    def build() -> Any:
-        return DataLoader(Augmented(), batch_size=4, shuffle=True, collate_fn=masked)
-
-    torch.manual_seed(2)
-    whole = list(nostall.prefetch(build(), "cpu", threads=3))
-    torch.manual_seed(2)
-    first = nostall.prefetch(build(), "cpu", threads=3)
-    it = iter(first)
-    next(it), next(it)
-    state = first.state_dict()
-    torch.manual_seed(99)  # the resumed run's own seed: the state decides
-    resumed = nostall.prefetch(build(), "cpu", threads=4)
-    resumed.load_state_dict(state)
-    torch.testing.assert_close(torch.cat(whole[2:]), torch.cat(list(resumed)), rtol=0, atol=0)
+    whole, rest = after_two_whole_and_resumed(
+        lambda: DataLoader(Augmented(), batch_size=4, shuffle=True, collate_fn=masked),
+        lambda: torch.manual_seed(2),
+    )
+    torch.testing.assert_close(torch.cat(whole), torch.cat(rest), rtol=0, atol=0)
 
 
 class RecordedAugmentedJpeg(AugmentedJpegImages):
