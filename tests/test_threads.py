@@ -127,22 +127,22 @@ def test_thread_safe_generator_gives_the_samples_own_generator() -> None:
 
 
 def after_two_whole_and_resumed(
-    build: Callable[[], DataLoader[Any]], seed: Callable[[], object]
+    build: Callable[[], DataLoader[Any]], seed: Callable[[], object], threads: int = 2
 ) -> tuple[list[Any], list[Any]]:
-    """An epoch's batches after its second: uninterrupted (2 threads), and resumed (3 threads).
+    """An epoch's batches after its second: uninterrupted (``threads``), and resumed (one more).
 
     ``seed()`` before each of the two runs that save the state; the resumed run is seeded
     otherwise (the state decides).
     """
     seed()
-    whole = list(nostall.prefetch(build(), "cpu", threads=2))
+    whole = list(nostall.prefetch(build(), "cpu", threads=threads))
     seed()
-    first = nostall.prefetch(build(), "cpu", threads=2)
+    first = nostall.prefetch(build(), "cpu", threads=threads)
     it = iter(first)
     next(it), next(it)
     state = first.state_dict()
     torch.manual_seed(99)
-    resumed = nostall.prefetch(build(), "cpu", threads=3)
+    resumed = nostall.prefetch(build(), "cpu", threads=threads + 1)
     resumed.load_state_dict(state)
     return whole[2:], list(resumed)
 
@@ -895,6 +895,7 @@ def test_global_draws_of_a_resumed_epoch_are_the_uninterrupted_ones() -> None:
     whole, rest = after_two_whole_and_resumed(
         lambda: DataLoader(Augmented(), batch_size=4, shuffle=True, collate_fn=masked),
         lambda: torch.manual_seed(2),
+        threads=3,  # three of Augmented's first samples meet
     )
     torch.testing.assert_close(torch.cat(whole), torch.cat(rest), rtol=0, atol=0)
 
