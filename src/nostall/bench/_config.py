@@ -24,7 +24,7 @@ def _knob(default: Any, help: str, parse: Callable[[str], Any]) -> Any:
 
 @dataclasses.dataclass
 class BenchConfig:
-    """Every knob of ``nostall bench``; the defaults take about a minute on two CPU cores."""
+    """Every knob of ``nostall bench``; the defaults take about two minutes on two CPU cores."""
 
     batches: int = _knob(12, "batches per epoch of the synthetic images", flag_count)
     batch_size: int = _knob(32, "samples per batch", flag_count)
