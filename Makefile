@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nostall-installed
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: bench test test-perf test-cuda bench-cuda gpu-check gpu-triage lint typecheck check clean
+.PHONY: bench test test-perf test-frameworks test-cuda bench-cuda gpu-check gpu-triage lint typecheck check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 # Timing claims, on a quiet machine.
 test-perf: $(STAMP)
 	$(PY) -m pytest -m perf
+
+# Every scenario inside the frameworks (make test runs one small run of each).
+test-frameworks: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -m frameworks
 
 # On a machine with a GPU (the simulated-CUDA tests run in `make test` everywhere).
 test-cuda: $(STAMP)
