@@ -817,6 +817,24 @@ def test_every_loader_argument_reads_the_loaders_value(pin_memory: bool) -> None
         assert getattr(loader, name) is getattr(p, name), name
 
 
+def test_ray_rebuilding_a_loader_from_the_prefetcher_is_refused() -> None:
+    """Ray Train's prepare_data_loader reads the loader through it to build a new one: refused.
+
+    Its code stands in here (Ray's test, tests/test_ray.py, runs the real one); the same
+    function under another module, and other readers, read through as before.
+    """
+    p = nostall.prefetch(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
+    source = "def prepare_data_loader(loader):\n    return loader.sampler\n"
+    for module, refused in [("ray.train.torch.train_loop_utils", True), ("mine", False)]:
+        scope: dict[str, Any] = {"__name__": module}
+        exec(source, scope)
+        if refused:
+            with pytest.raises(TypeError, match=r"prefetch\(ray.train.torch.prepare_data_loader"):
+                scope["prepare_data_loader"](p)
+        else:
+            assert scope["prepare_data_loader"](p) is p.sampler
+
+
 def test_setting_a_loader_attribute_is_refused_as_the_loader_refuses_it() -> None:
     """``p.batch_size = 4`` raises the DataLoader's own error instead of shadowing it."""
     loader = make_loader(7, 0)
@@ -1020,6 +1038,48 @@ def test_an_iterator_that_restarts_on_iter_gives_every_epoch(across_epochs: bool
     p = nostall.prefetch(loader(), across_epochs=across_epochs)
     assert plain == [[b.tolist() for (b,) in p] for _ in range(3)]
     assert all(len(epoch) == 3 for epoch in plain)
+
+
+@pytest.mark.parametrize("across_epochs", [False, True])
+def test_an_iterator_that_restarts_on_iter_resumes_mid_epoch(across_epochs: bool) -> None:
+    """Resumed mid-epoch, it gives the rest of the epoch, not the epoch's first batches again.
+
+    Its ``__iter__`` iterates a loader of its own: a copy with a skipping sampler would give
+    the whole epoch again (Ray Train's prepared loader did), so the batches are pulled.
+    """
+
+    class Wrapping(DataLoader[Any]):
+        """Iterates the loader it holds, as Ray Train's prepared loader iterates its own."""
+
+        def __init__(self, inner: DataLoader[Any]) -> None:
+            self.__dict__.update(inner.__dict__)
+            self._inner = inner
+
+        def __iter__(self) -> Wrapping:  # type: ignore[override]
+            self._batches = iter(self._inner)
+            return self
+
+        def __next__(self) -> Any:
+            return next(self._batches)
+
+    def loader() -> Wrapping:
+        g = torch.Generator().manual_seed(0)
+        dataset = TensorDataset(torch.arange(16))
+        return Wrapping(DataLoader(dataset, batch_size=2, shuffle=True, generator=g))
+
+    p = nostall.prefetch(loader(), across_epochs=across_epochs)
+    first = [b.tolist() for (b,) in p]
+    second = iter(p)
+    seen = [next(second)[0].tolist() for _ in range(3)]
+    state = p.state_dict()
+    rest = [b.tolist() for (b,) in second]
+    p.close()
+
+    resumed = nostall.prefetch(loader(), across_epochs=across_epochs)
+    resumed.load_state_dict(state)
+    assert rest == [b.tolist() for (b,) in resumed]
+    assert sorted(i for batch in seen + rest for i in batch) == list(range(16))
+    assert first != seen + rest
 
 
 def test_breaking_out_of_a_generator_loses_nothing() -> None:

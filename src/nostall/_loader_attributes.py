@@ -7,6 +7,7 @@ place forwards both to the source it wraps.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,6 +51,10 @@ class LoaderAttributes:
             raise AttributeError(name)
         if "_source" not in self.__dict__:
             raise AttributeError(name)
+        from ._clients.ray import refuse_rebuild
+
+        reader = sys._getframe(1)  # a framework rebuilding the loader from these attributes
+        refuse_rebuild(reader.f_globals.get("__name__"), reader.f_code.co_name)
         self._resolve_shard()
         return getattr(self.__dict__["_source"], name)
 

@@ -32,7 +32,7 @@ from .._sources.checks import SameEpochWatch
 from .._sources.generators import HandBack, Saved, set_states
 from .._sources.global_draws import DrawWatch
 from .._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
-from .._sources.sources import Client, classify
+from .._sources.sources import Client, classify, open_epoch
 from .._torch_compat import live_iterator
 from .drawn_orders import DrawnOrders
 from .skip import TakenAhead, skip_ahead
@@ -141,7 +141,7 @@ class EpochSource:
     def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
         """An epoch's iterator: the loader's own, or the threads' (by index, or as workers)."""
         if self.pool is None or self.mirror is not None:
-            return iter(loader)
+            return open_epoch(loader)
         draws = self.draws
         warn_unseeded_threads(loader, self.pool.size, self.worker_init)
         warn_unpinned(loader)
@@ -366,7 +366,7 @@ class EpochSource:
                 # iter() to draw the order again (once it exists, one iter() resets it).
                 iter(self.source)
                 self.orders.restore(self.source, rng)
-                it = iter(self.source)
+                it = open_epoch(self.source)
                 for _ in itertools.islice(it, skipped):
                     pass
                 if skipped:

@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from .._clients.fabric import fabric_over
-from .._sources.sources import classify
+from .._sources.sources import classify, open_epoch
 from .._torch_compat import copy_loader
 
 
@@ -69,7 +69,7 @@ class TakenAhead:
 def skip_ahead(
     source: Iterable[Any],
     count: int,
-    iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: iter(loader),
+    iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: open_epoch(loader),
     started: Callable[[], None] = lambda: None,
 ) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.

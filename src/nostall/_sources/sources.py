@@ -29,7 +29,7 @@ import dataclasses
 import enum
 import inspect
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, IterDataPipe
@@ -135,11 +135,13 @@ class SourceKind:
     def skippable(self) -> bool:
         """A DataLoader whose copy may skip batches through its sampler, loading nothing.
 
-        A real DataLoader (accelerate's iterates a loader of its own, which a copy's sampler
-        would not reach) over a map-style dataset, without persistent workers (a copy would
-        make its next epoch draw differently).
+        A real DataLoader iterated by torch's own ``__iter__`` (a subclass with an ``__iter__``
+        of its own may iterate something else: accelerate's shard and Ray Train's prepared
+        loader each iterate a loader they hold, which a copy's sampler would not reach) over a
+        map-style dataset, without persistent workers (a copy would make its next epoch draw
+        differently).
         """
-        return self.dataloader_type and self.map_style and not self.persistent
+        return self.torch_iteration and self.map_style and not self.persistent
 
     def length(self) -> int | None:
         """``len(source)``: its batches per epoch (or an estimate); None without a length."""
@@ -169,6 +171,33 @@ def restarts_on_iter(source: object) -> bool:
 
 def _returns_itself(self: object) -> object:
     return self
+
+
+def open_epoch(source: Iterable[Any]) -> Iterator[Any]:
+    """``iter(source)``: an epoch's iterator, which nostall may pass to ``iter()`` again.
+
+    nostall chains and slices the iterators it opens (to skip batches on resume, to hand
+    out a batch pulled ahead), and that calls ``iter()`` on them. An iterator that restarts
+    on ``iter()`` (see :func:`restarts_on_iter`) is its own epoch iterator: it is wrapped so
+    that only this call starts it, as only the loop's ``for`` does in a plain loop.
+    """
+    it = iter(source)
+    return _Started(it) if it is source and restarts_on_iter(it) else it
+
+
+class _Started:
+    """An iterator that restarts on ``iter()``, once started: ``iter()`` leaves it as it is."""
+
+    __slots__ = ("_it",)
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+
+    def __iter__(self) -> _Started:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
 
 
 def classify(source: object) -> SourceKind:

@@ -1,0 +1,39 @@
+"""Ray Train's prepared loader under nostall: ``nostall.prefetch(prepare_data_loader(loader))``.
+
+``ray.train.torch.prepare_data_loader(loader)`` returns a ``DataLoader`` subclass that holds
+the loader (rebuilt with a ``DistributedSampler`` when Ray runs several workers), moves each
+batch to the worker's device, and is its own iterator: its ``__iter__`` starts the held
+loader again and returns itself. nostall treats it as any such iterator (a new epoch at each
+``iter()``, resumed by pulling the batches before the state, since a copy of it with another
+sampler would still iterate the loader it holds).
+
+Wrapped the other way round, ``prepare_data_loader(nostall.prefetch(loader))`` reads the
+loader's attributes through the prefetcher and builds a new ``DataLoader`` from them: the
+training loop would iterate that, and nostall would be left out without a word. That is
+refused (:func:`refuse_rebuild`). Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+#: The module and function of Ray Train that rebuild a loader from its attributes.
+_PREPARE = ("ray.train.torch.train_loop_utils", "prepare_data_loader")
+
+
+def refuse_rebuild(module: object, function: str) -> None:
+    """Raise where Ray's ``prepare_data_loader`` reads a prefetcher's loader to rebuild it.
+
+    ``module`` and ``function``: the ``__name__`` and function name of the code reading an
+    attribute of the loader through the prefetcher. Ray reads them only when it builds a new
+    ``DataLoader`` (several workers, a sampler to add): with one worker it wraps the prefetcher
+    itself, which iterates it, and nothing is refused.
+
+    Raises:
+        TypeError: the reader is ``prepare_data_loader``.
+    """
+    if (module, function) == _PREPARE:
+        raise TypeError(
+            "ray.train.torch.prepare_data_loader() was given a nostall Prefetcher: it builds "
+            "a new DataLoader from the loader's attributes (to add a DistributedSampler), and "
+            "your loop would iterate that without nostall. Prepare the DataLoader first, then "
+            "wrap it: nostall.prefetch(ray.train.torch.prepare_data_loader(loader))"
+        )
