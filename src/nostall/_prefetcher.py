@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_data_device
-from ._engine.iteration import REPLACED, PrefetchIterator
+from ._engine.iteration import REPLACED, AfterPlaceholders, PrefetchIterator
 from ._engine.lineage import Lineage
 from ._engine.profile import StallRecorder, StallReport
 from ._engine.settings import Settings
@@ -27,6 +28,7 @@ from ._sources.samplers import forward_set_epoch as _forward_set_epoch
 from ._sources.sharding import sharded_copy
 from ._staging.base import Staging
 from ._staging.choose import staging_for
+from ._warn import warn
 
 T = TypeVar("T")
 
@@ -283,7 +285,12 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         return self._lineage.epoch
 
     def __iter__(self) -> PrefetchIterator[T]:
-        """Start a new iteration (lazily: nothing is fetched until its first ``next()``)."""
+        """Start a new iteration (lazily: nothing is fetched until its first ``next()``).
+
+        A ``PrefetchIterator``; under Ignite's ``DeterministicEngine`` resuming mid-epoch, see
+        :meth:`_for_deterministic_engine`.
+        """
+        from ._clients.ignite import engine_skips
         from ._clients.lightning import held_ahead, iterating_fetcher
 
         if self._closed:
@@ -304,6 +311,28 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             self, lambda: held_ahead(fetcher) if fetcher is not None else 0
         )
         lineage.began(iteration)
+        skips = engine_skips(sys._getframe(1))
+        if skips:
+            return self._for_deterministic_engine(iteration, skips)
+        return iteration
+
+    def _for_deterministic_engine(
+        self, iteration: PrefetchIterator[T], skips: int
+    ) -> PrefetchIterator[T]:
+        """``iteration`` for Ignite's ``DeterministicEngine``, which drops ``skips`` batches.
+
+        Where the loaded state already resumes after those batches, the engine is handed
+        ``skips`` placeholders (None) to drop first, and the position is unchanged; else a
+        warning says that the resumed epoch is not the uninterrupted one (see
+        :mod:`nostall._clients.ignite`).
+        """
+        from ._clients.ignite import skip_unloaded
+
+        loaded = self._lineage.at.loaded
+        resumes = None if loaded is None else loaded["batches_yielded"]
+        if resumes == skips:
+            return cast("PrefetchIterator[T]", AfterPlaceholders(iteration, skips))
+        warn(skip_unloaded(skips, resumes))
         return iteration
 
     def report(self, *, all_ranks: bool = False) -> StallReport:
