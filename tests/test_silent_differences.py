@@ -336,8 +336,8 @@ def test_a_distributed_sampler_opened_ahead_is_said_to_draw_only_the_base_seed()
         DataLoader(Counted(), batch_size=4, sampler=sampler), across_epochs=True
     )
 
-    with pytest.warns(UserWarning, match="opened this epoch ahead") as caught:
-        two_epochs_opened_ahead(batches)
+    with pytest.warns(UserWarning, match="opened this epoch ahead|never set") as caught:
+        two_epochs_opened_ahead(batches)  # also said: the loop never sets the epoch
     batches.close()
     message = next(str(w.message) for w in caught if "opened this epoch ahead" in str(w.message))
     assert "drew its base seed (for its workers' seeds) from torch's" in message
@@ -372,7 +372,6 @@ def test_a_distributed_sampler_never_set_to_a_new_epoch_is_warned_of_once() -> N
     said = [w for w in caught if "set_epoch() was not called" in str(w.message)]
     assert 1 == len(said), [str(w.message) for w in caught]
     assert "prefetcher.set_epoch(epoch)" in str(said[0].message)
-    assert "across_epochs=True" in str(said[0].message)
     assert __file__ == said[0].filename  # at the user's line
 
 
@@ -386,6 +385,51 @@ def test_a_distributed_sampler_set_each_epoch_is_not_warned_of(how: str) -> None
     batches.close()
     assert [] == [str(w.message) for w in caught if "set_epoch() was not called" in str(w.message)]
     assert (seen[0] != seen[1]) == (how != "no shuffle")
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_across_epochs_setting_an_epoch_the_loop_never_sets_is_said_once(shuffle: bool) -> None:
+    """Counted by nostall, each epoch gets a new order, where the plain loop repeats one: said.
+
+    Once, at the user's line, as the loop starts the first such epoch (epoch 1); nothing is
+    lost when it is raised as an error. Not for a sampler whose order ignores the epoch.
+    """
+    plain = orders(distributed(shuffle), 3)
+    batches = nostall.prefetch(distributed(shuffle), across_epochs=True)
+    first = orders(batches, 1)
+    if shuffle:
+        with pytest.raises(UserWarning, match="your loop never set the epoch") as raised:
+            iter(batches).__next__()
+        assert "prefetcher.set_epoch(epoch)" in str(raised.value)
+        assert "across_epochs=False" in str(raised.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = orders(batches, 2)
+    batches.close()
+    assert [] == [str(w.message) for w in caught if "never set the epoch" in str(w.message)]
+    assert first[0] == plain[0]
+    assert (rest[0] != plain[1]) == shuffle  # the difference said
+
+
+@pytest.mark.parametrize("how", ["prefetcher", "sampler"])
+def test_across_epochs_with_a_loop_that_sets_the_epoch_says_nothing(how: str) -> None:
+    """A loop that sets each epoch asked for the orders nostall draws: nothing to say.
+
+    On the prefetcher, or on the sampler as Ignite's handler and Lightning do.
+    """
+    loader = distributed()
+    plain = []
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        plain.append([int(x) for batch in loader for x in batch])
+    loader = distributed()
+    batches = nostall.prefetch(loader, across_epochs=True)
+    seen = []
+    for epoch in range(3):  # warnings are errors here
+        (batches if how == "prefetcher" else loader.sampler).set_epoch(epoch)  # type: ignore[attr-defined]
+        seen.append([int(x) for batch in batches for x in batch])
+    batches.close()
+    assert plain == seen
 
 
 class Shard(torch.utils.data.BatchSampler):

@@ -358,6 +358,8 @@ class PrefetchIterator(Iterator[T]):
         if lineage.first_epoch():
             epochs = lineage.epochs
             warn_if_hidden_from_framework(epochs.source, epochs.kind, self._settings.shard)
+        elif lineage.epochs.across_epochs:
+            lineage.epochs.unasked.starting(lineage.epochs.kind, lineage.epoch)
         ahead = lineage.take_ahead()
         if ahead is not None:
             # In step, it was opened when asked for; pulling inline, it is opened at the first

@@ -28,7 +28,7 @@ from .._loading.pool import Pool
 from .._loading.threadable import warn_unpinned, warn_unseeded_threads
 from .._loading.threaded_stream import ThreadedStream
 from .._loading.threads import ThreadedEpoch
-from .._sources.checks import SameEpochWatch
+from .._sources.checks import SameEpochWatch, UnaskedEpochWatch
 from .._sources.generators import HandBack, Saved, set_states
 from .._sources.global_draws import DrawWatch
 from .._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
@@ -76,6 +76,8 @@ class EpochSource:
         self.draws = DrawWatch(self.kind, threads=threads, transform=transform, timeout=timeout)
         #: Whether a shuffling DistributedSampler is left at one epoch (see :meth:`opened_here`).
         self.same_epoch = SameEpochWatch()
+        #: Whether nostall counts epochs on a sampler that the loop never sets (across epochs).
+        self.unasked = UnaskedEpochWatch()
         #: With ``threads=``: the loading threads every epoch of the DataLoader runs on, each
         #: task inside ``context()`` (on CUDA: the prefetcher's device and source stream).
         self.pool = None if threads is None else Pool(threads, "nostall-load", context)
@@ -167,8 +169,11 @@ class EpochSource:
         return self.source if self.mirror is None else self.mirror.shadow
 
     def forward_epoch(self, epoch: int) -> None:
-        """Call ``set_epoch(epoch)`` where the source keeps it (see :func:`forward_set_epoch`)."""
-        forward_set_epoch(self.iterable, epoch)
+        """Call ``set_epoch(epoch)`` where the source keeps it (see :func:`forward_set_epoch`).
+
+        Across epochs, by nostall's own count: marked so (``Counted``) until someone sets it.
+        """
+        forward_set_epoch(self.iterable, epoch, counted=True)
 
     def length(self) -> int | None:
         """Batches per epoch (``len(source)``), or None for a source without a length."""
@@ -300,7 +305,7 @@ class EpochSource:
             replay = resume["replay"]
             resume = {**resume, "replay": {**replay, "rng": {"torch": replay["rng"]["torch"]}}}
         if self.across_epochs if forward is None else forward:
-            forward_set_epoch(self.iterable, epoch)
+            forward_set_epoch(self.iterable, epoch, counted=True)
         skipped = 0 if resume is None else resume["batches_yielded"]
         if self.stateful:
             if resume is not None and resume["source_state"] is not None:

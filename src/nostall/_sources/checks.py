@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from .._clients.accelerate import accelerate_is_active
 from .._warn import warn
-from .samplers import has_unreadable_set_epoch
+from .samplers import has_unreadable_set_epoch, left_as_counted, sampler_epoch_of
 from .sharding import distributed_world, is_sharded, unsharded_warning
 from .sources import Client, SourceKind
 from .webdataset import shuffle_warning, unreplayable_shuffles
@@ -222,6 +222,56 @@ class SameEpochWatch:
             f"the same epoch ({epoch}): set_epoch() was not called between them, so they "
             f"shuffled in the same order, and so will this one (a plain DataLoader would too). "
             f"Call prefetcher.set_epoch(epoch) (or loader.sampler.set_epoch(epoch)) before "
-            f"each epoch, or pass across_epochs=True to let nostall count the epochs",
+            f"each epoch",
+            UserWarning,
+        )
+
+
+class UnaskedEpochWatch:
+    """Warns once where ``across_epochs=True`` sets a sampler's epoch that the loop never sets.
+
+    Across epochs nostall calls ``set_epoch`` itself for each next epoch, marking the epoch it
+    set (``samplers.Counted``). A loop that sets the epoch (``prefetcher.set_epoch``, or
+    ``sampler.set_epoch`` directly, as Lightning, Fabric, accelerate and most loops do) leaves
+    a plain int there, and gets the orders it asks for. A loop that never does (an Ignite
+    ``Engine`` without its ``set_epoch`` handler) would, without nostall, draw every epoch's
+    order at the first epoch: with nostall each epoch has a new order, which is said once, as
+    the loop starts the first epoch whose epoch nostall set alone.
+
+    Invariants:
+        * Checked as the loop starts an epoch after the first, before anything of it is taken:
+          raised as an error, the warning loses nothing, and is not raised again.
+        * Once the loop is seen setting the epoch (a plain int where nostall left its mark, or
+          ``prefetcher.set_epoch``), never.
+    """
+
+    def __init__(self) -> None:
+        self._settled = False
+
+    def loop_sets(self) -> None:
+        """The loop set the epoch itself (``prefetcher.set_epoch``)."""
+        self._settled = True
+
+    def starting(self, kind: SourceKind, epoch: int) -> None:
+        """The loop starts ``epoch`` of a prefetcher that counts epochs (``across_epochs``)."""
+        if self._settled or epoch < 1:
+            return
+        target = left_as_counted(kind.source)
+        if target is None:
+            if sampler_epoch_of(kind.source) is not None:
+                self._settled = True  # the loop set it after nostall did: it asks
+            return
+        self._settled = True
+        if isinstance(target, DistributedSampler) and not target.shuffle:
+            return  # its order does not depend on the epoch
+        warn(
+            f"nostall: across_epochs=True calls set_epoch itself for each next epoch, and "
+            f"your loop never set the epoch of {describe(kind.source)}'s "
+            f"{type(target).__qualname__}: this epoch ({epoch}) is shuffled by its epoch "
+            f"number, where the same loop without nostall would repeat the order of the epoch "
+            f"it was left at. If new orders are what you want, call "
+            f"prefetcher.set_epoch(epoch) at each epoch's start (with Ignite, the set_epoch "
+            f"handler, e.g. setup_common_training_handlers(trainer, train_sampler=sampler)), "
+            f"which also silences this; to keep the loop's orders, pass across_epochs=False",
             UserWarning,
         )

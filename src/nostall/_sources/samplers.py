@@ -7,6 +7,7 @@ marks that show someone set it, the generators an order is drawn from and their 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,14 +27,48 @@ def set_epoch_targets(source: object) -> list[object]:
     ]
 
 
-def forward_set_epoch(source: object, epoch: int) -> bool:
-    """Call ``set_epoch(epoch)`` on the first of :func:`set_epoch_targets` that has it."""
+class Counted(int):
+    """An epoch that nostall set on a sampler by itself (``across_epochs=True`` counting).
+
+    Equal to the plain int, and an int wherever it is used (a ``DistributedSampler`` seeds
+    its shuffle with ``seed + epoch``: a plain int); only its type tells that nobody set the
+    epoch since nostall did, since a ``set_epoch`` call stores the plain int it is given. It
+    pickles as a plain int.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        return int, (int(self),)
+
+
+def forward_set_epoch(source: object, epoch: int, *, counted: bool = False) -> bool:
+    """Call ``set_epoch(epoch)`` on the first of :func:`set_epoch_targets` that has it.
+
+    ``counted``: nostall sets it by itself, not asked by the loop; where the target keeps the
+    epoch in a plain ``epoch`` attribute it is marked :class:`Counted` (see
+    :func:`left_as_counted`).
+    """
     for target in set_epoch_targets(source):
         method = getattr(target, "set_epoch", None)
         if callable(method):
             method(epoch)
+            if counted and type(getattr(target, "epoch", None)) is int:
+                with contextlib.suppress(AttributeError, TypeError):  # a read-only epoch
+                    target.epoch = Counted(epoch)  # type: ignore[attr-defined]
             return True
     return False
+
+
+def left_as_counted(source: object) -> object | None:
+    """The object whose epoch nostall set by itself and nobody set since, or None.
+
+    (The first target ``set_epoch`` reaches, where its ``epoch`` is still :class:`Counted`.)
+    """
+    for target in set_epoch_targets(source):
+        if callable(getattr(target, "set_epoch", None)):
+            return target if isinstance(getattr(target, "epoch", None), Counted) else None
+    return None
 
 
 def _samplers(source: object) -> dict[str, object]:
@@ -70,7 +105,7 @@ def sampler_epoch_of(source: object) -> int | None:
     for sampler in _samplers(source).values():
         epoch = getattr(sampler, "epoch", None)
         if isinstance(epoch, int) and not isinstance(epoch, bool):
-            return epoch
+            return int(epoch)  # a plain int in a state, not a Counted
     return None
 
 
@@ -85,7 +120,7 @@ def epoch_marks(source: object) -> tuple[tuple[str, int], ...]:
     for name, target in zip(names, set_epoch_targets(source), strict=True):
         epoch = getattr(target, "epoch", None) if target is not None else None
         if isinstance(epoch, int) and not isinstance(epoch, bool):
-            marks.append((name, epoch))
+            marks.append((name, int(epoch)))
     return tuple(marks)
 
 
