@@ -129,10 +129,15 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Record]:
     global generator, from which the epochs after the resumed one would draw their orders.
     """
     out = tmp_path_factory.mktemp("ignite-engine")
-    runs = {spec: train(Run.parse(spec), out) for spec in ("seeded=1", "data=nostall,seeded=1")}
-    resume = "data=nostall,seeded=1,phase=resume"
-    runs[resume] = launch(out, [resume])[resume][0]
+    full = ("seeded=1", "data=nostall,seeded=1", *DETERMINISTIC)
+    runs = {spec: train(Run.parse(spec), out) for spec in full}
+    resumes = [f"{spec},phase=resume" for spec in ("data=nostall,seeded=1", *DETERMINISTIC)]
+    runs.update({spec: ranks[0] for spec, ranks in launch(out, resumes).items()})
     return runs
+
+
+#: A ``DeterministicEngine`` over nostall, the prefetcher in ``to_save`` and left out of it.
+DETERMINISTIC = ("engine=deterministic,data=nostall", "engine=deterministic,data=nostall,saved=0")
 
 
 def test_engine_trains_on_the_loaders_batches(engine: dict[str, Record]) -> None:
@@ -154,6 +159,31 @@ def test_engine_resumes_mid_epoch_in_a_fresh_process(engine: dict[str, Record]) 
     expected, resumed = engine["seeded=1"], engine["data=nostall,seeded=1,phase=resume"]
     assert expected["steps"][SAVE_EVERY:] == resumed["steps"]
     assert expected["weights"] == resumed["weights"]
+
+
+def test_deterministic_engine_resumes_without_skipping_twice(engine: dict[str, Record]) -> None:
+    """The prefetcher in ``to_save``: the uninterrupted run's steps after the checkpoint.
+
+    Resumed mid-epoch, a ``DeterministicEngine`` pulls and drops ``iteration % len(data)``
+    batches from data that is no ``DataLoader``; the prefetcher, restored, already starts
+    after them, and hands the engine placeholders to drop instead of skipping them again.
+    """
+    spec = DETERMINISTIC[0]
+    full, again = engine[spec], engine[f"{spec},phase=resume"]
+    assert full["steps"][SAVE_EVERY:] == again["steps"], trained_instead(full, again, SAVE_EVERY)
+    assert full["weights"] == again["weights"]
+    assert [] == nostall_warnings(again)
+
+
+def test_deterministic_engine_resuming_a_prefetcher_left_out_of_to_save_is_warned(
+    engine: dict[str, Record],
+) -> None:
+    """The engine drops batches of an epoch the prefetcher opened afresh: said, with the fix."""
+    spec = DETERMINISTIC[1]
+    full, again = engine[spec], engine[f"{spec},phase=resume"]
+    assert full["steps"][SAVE_EVERY:] != again["steps"]
+    said = [w["message"] for w in nostall_warnings(again)]
+    assert any("pulling and dropping 3 batches" in m and "to_save" in m for m in said), said
 
 
 # -- the example -----------------------------------------------------------------------------------
@@ -212,7 +242,6 @@ RESUMED = {
     "workers-across-epochs": "data=nostall,seeded=1,workers=2,across=1",
     "at-epoch-end": "data=nostall,seeded=1,every=20",
     "unseeded-rng": "data=nostall,rng=1",
-    "deterministic": "engine=deterministic,data=nostall",
 }
 
 
@@ -249,14 +278,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Record,
 def test_engine_resumes_in_a_fresh_process(
     resumed: dict[str, tuple[Record, Record]], variant: str
 ) -> None:
-    """From the checkpoint, the uninterrupted run's steps and weights.
-
-    "deterministic": ``create_supervised_trainer(..., deterministic=True)``, a
-    ``DeterministicEngine``, with the prefetcher in ``to_save``. On a resume over data that
-    is not a ``DataLoader`` it pulls and drops ``iteration % len(data)`` batches from the
-    data's new iterator (its way of skipping what was trained on), and the prefetcher,
-    restored, already starts after them.
-    """
+    """From the checkpoint, the uninterrupted run's steps and weights."""
     full, again = resumed[variant]
     every = Run.parse(RESUMED[variant]).every
     assert full["steps"][every:] == again["steps"], trained_instead(full, again, every)

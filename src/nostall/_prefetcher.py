@@ -10,7 +10,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_data_device
-from ._engine.iteration import REPLACED, AfterPlaceholders, PrefetchIterator
+from ._engine.iteration import REPLACED, PrefetchIterator
 from ._engine.lineage import Lineage
 from ._engine.profile import StallRecorder, StallReport
 from ._engine.settings import Settings
@@ -326,7 +326,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         warning says that the resumed epoch is not the uninterrupted one (see
         :mod:`nostall._clients.ignite`).
         """
-        from ._clients.ignite import skip_unloaded
+        from ._clients.ignite import AfterPlaceholders, skip_unloaded
 
         loaded = self._lineage.at.loaded
         resumes = None if loaded is None else loaded["batches_yielded"]

@@ -17,7 +17,9 @@ Nothing here imports Ignite; the engine is recognised by the code calling ``iter
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 _SKIPPER = ("ignite.engine.deterministic", "_from_iteration")
 
@@ -55,3 +57,28 @@ def skip_unloaded(count: int, loaded: int | None) -> str:
         f"{count} batches from a nostall Prefetcher {why}: the batches after them are not "
         f"the ones the uninterrupted run trained on. To resume exactly, {fix}"
     )
+
+
+class AfterPlaceholders(Iterator[Any]):
+    """An iteration whose first ``count`` items are placeholders (None), for the engine to drop.
+
+    Given to the engine's skip in place of the prefetcher's iteration, which already resumed
+    after those batches: they are not skipped a second time, and the iteration's position is
+    untouched. Anything else is read from the iteration.
+    """
+
+    def __init__(self, iteration: Iterator[Any], count: int) -> None:
+        self._iteration = iteration
+        self._owed = count
+
+    def __iter__(self) -> AfterPlaceholders:
+        return self
+
+    def __next__(self) -> Any:
+        if self._owed:
+            self._owed -= 1
+            return None
+        return next(self._iteration)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iteration, name)

@@ -81,32 +81,6 @@ class Lifecycle(enum.Enum):
     STOPPED = "stopped"
 
 
-class AfterPlaceholders(Iterator[Any]):
-    """An iteration whose first ``count`` items are placeholders (None), for a caller to drop.
-
-    A framework that positions an epoch by pulling and dropping batches (Ignite's
-    ``DeterministicEngine``) from a prefetcher that already resumed after them gets these
-    instead of skipping real batches a second time; the iteration's position is untouched.
-    Anything else is read from the iteration.
-    """
-
-    def __init__(self, iteration: PrefetchIterator[Any], count: int) -> None:
-        self._iteration = iteration
-        self._owed = count
-
-    def __iter__(self) -> AfterPlaceholders:
-        return self
-
-    def __next__(self) -> Any:
-        if self._owed:
-            self._owed -= 1
-            return None
-        return next(self._iteration)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._iteration, name)
-
-
 class PrefetchIterator(Iterator[T]):
     """One iteration (an epoch) of a :class:`Prefetcher`; see there for the guarantees.
 

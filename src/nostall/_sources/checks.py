@@ -256,6 +256,12 @@ class UnaskedEpochWatch:
         """The loop starts ``epoch`` of a prefetcher that counts epochs (``across_epochs``)."""
         if self._settled or epoch < 1:
             return
+        if kind.client is not Client.PLAIN:
+            # Fabric's and accelerate's loaders set the epoch themselves, from their own
+            # count, at their iteration's start (which across epochs the producer may not
+            # have reached yet): the loop's framework asks.
+            self._settled = True
+            return
         target = left_as_counted(kind.source)
         if target is None:
             if sampler_epoch_of(kind.source) is not None:
