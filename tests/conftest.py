@@ -49,6 +49,7 @@ SLOWEST_FIRST = (
     "test_epochs.py",
     "test_torchrun.py",
     "test_fabric.py",
+    "test_ray.py",
     "test_accelerate.py",
     "test_prefetcher.py",
     "test_examples.py",
