@@ -432,6 +432,27 @@ def test_across_epochs_with_a_loop_that_sets_the_epoch_says_nothing(how: str) ->
     assert plain == seen
 
 
+def test_across_epochs_with_the_epoch_set_before_the_last_end_is_taken_says_nothing() -> None:
+    """Ignite's order: its handler sets the next epoch, then the loop asks for the last end.
+
+    An ``Engine`` takes ``len()`` batches per epoch; at the next epoch's start its
+    ``EPOCH_STARTED`` handler sets the sampler's epoch, and only then does its ``next()`` get
+    the previous epoch's end, where nostall sets the same epoch: the loop asked for it.
+    """
+    loader = distributed()
+    batches = nostall.prefetch(loader, across_epochs=True)
+    it, seen = iter(batches), []
+    for epoch in range(3):  # warnings are errors here
+        if epoch:
+            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            with pytest.raises(StopIteration):
+                next(it)  # the last epoch's end, asked for after the handler ran
+            it = iter(batches)
+        seen.append([int(x) for _ in range(len(batches)) for x in next(it)])
+    batches.close()
+    assert seen[0] != seen[1] != seen[2]
+
+
 class Shard(torch.utils.data.BatchSampler):
     """A BatchSampler subclass without ``.sampler``, as accelerate's shards are."""
 

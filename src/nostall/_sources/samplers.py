@@ -47,13 +47,16 @@ def forward_set_epoch(source: object, epoch: int, *, counted: bool = False) -> b
 
     ``counted``: nostall sets it by itself, not asked by the loop; where the target keeps the
     epoch in a plain ``epoch`` attribute it is marked :class:`Counted` (see
-    :func:`left_as_counted`).
+    :func:`left_as_counted`), unless it was at that epoch already: set by the loop (an
+    Ignite handler at ``EPOCH_STARTED`` runs before the loop asks for the last epoch's end).
     """
     for target in set_epoch_targets(source):
         method = getattr(target, "set_epoch", None)
         if callable(method):
+            before = getattr(target, "epoch", None)
             method(epoch)
-            if counted and type(getattr(target, "epoch", None)) is int:
+            asked = type(before) is int and before == epoch
+            if counted and not asked and type(getattr(target, "epoch", None)) is int:
                 with contextlib.suppress(AttributeError, TypeError):  # a read-only epoch
                     target.epoch = Counted(epoch)  # type: ignore[attr-defined]
             return True
