@@ -290,6 +290,20 @@ def test_prefetcher_given_to_prepare_warns() -> None:
         assert first == second
 
 
+def test_prefetcher_given_to_prepare_data_loader_is_refused() -> None:
+    """prepare_data_loader() rebuilds a loader from the prefetcher's attributes: refused.
+
+    Its loop would iterate a new DataLoader without nostall, silently; the error names the
+    order that works. ``skip_first_batches`` reads them too, and is not refused (its resume
+    route, tested with the Trainer).
+    """
+    accelerator = Accelerator(cpu=True)
+    batches = nostall.prefetch(DataLoader(Indexed(), batch_size=BATCH))
+    with pytest.raises(TypeError, match=r"nostall\.prefetch\(accelerator\.prepare\(loader\)\)"):
+        accelerator.prepare_data_loader(batches)
+    batches.close()
+
+
 # -- threads= -------------------------------------------------------------------------------------
 
 

@@ -825,7 +825,8 @@ def test_ray_rebuilding_a_loader_from_the_prefetcher_is_refused() -> None:
     """
     p = nostall.prefetch(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
     source = "def prepare_data_loader(loader):\n    return loader.sampler\n"
-    for module, refused in [("ray.train.torch.train_loop_utils", True), ("mine", False)]:
+    modules = ["ray.train.torch.train_loop_utils", "ray.train.v2.torch.train_loop_utils"]
+    for module, refused in [*((m, True) for m in modules), ("mine", False)]:
         scope: dict[str, Any] = {"__name__": module}
         exec(source, scope)
         if refused:

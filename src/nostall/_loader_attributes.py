@@ -51,10 +51,11 @@ class LoaderAttributes:
             raise AttributeError(name)
         if "_source" not in self.__dict__:
             raise AttributeError(name)
-        from ._clients.ray import refuse_rebuild
+        from ._clients import accelerate, ray
 
         reader = sys._getframe(1)  # a framework rebuilding the loader from these attributes
-        refuse_rebuild(reader.f_globals.get("__name__"), reader.f_code.co_name)
+        ray.refuse_rebuild(reader)
+        accelerate.refuse_rebuild(reader)
         self._resolve_shard()
         return getattr(self.__dict__["_source"], name)
 

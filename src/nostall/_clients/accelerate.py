@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, NamedTuple
 
 from .transformers import SKIP_FIRST_BATCHES_CALLERS
@@ -70,6 +71,38 @@ def accelerate_is_active() -> bool:
     state = getattr(module, "PartialState", None)
     shared = getattr(state, "_shared_state", None)
     return bool(shared)
+
+
+def refuse_rebuild(reader: FrameType) -> None:
+    """Raise where accelerate's ``prepare_data_loader`` reads a prefetcher's loader to rebuild it.
+
+    ``reader``: the frame reading an attribute of the loader through the prefetcher.
+    ``accelerator.prepare_data_loader(prefetcher)`` (unlike ``accelerator.prepare``, which
+    hands back what is not a ``DataLoader``) builds a new ``DataLoaderShard`` over a new
+    ``DataLoader`` from those attributes, and the loop would iterate it without nostall. Its
+    ``skip_first_batches`` reads them too, on purpose (see ``route_skip_first_batches``): not
+    refused.
+
+    Raises:
+        TypeError: the reader is ``accelerate.data_loader.prepare_data_loader``, or a function
+            it called.
+    """
+    frames = (reader, reader.f_back)
+    if any(f is not None and _code_of(f) == _PREPARE for f in frames):
+        raise TypeError(
+            "accelerate's prepare_data_loader() was given a nostall Prefetcher: it builds a "
+            "new DataLoader from the loader's attributes, and your loop would iterate that "
+            "without nostall. Prepare the DataLoader first, then wrap it: "
+            "nostall.prefetch(accelerator.prepare(loader))"
+        )
+
+
+#: accelerate's function that rebuilds a loader from its attributes.
+_PREPARE = ("accelerate.data_loader", "prepare_data_loader")
+
+
+def _code_of(frame: FrameType) -> tuple[object, str]:
+    return frame.f_globals.get("__name__"), frame.f_code.co_name
 
 
 def prepared_loader_types() -> tuple[type, ...]:

@@ -15,22 +15,25 @@ refused (:func:`refuse_rebuild`). Nothing here imports Ray.
 
 from __future__ import annotations
 
-#: The module and function of Ray Train that rebuild a loader from its attributes.
-_PREPARE = ("ray.train.torch.train_loop_utils", "prepare_data_loader")
+from types import FrameType
+
+#: Ray Train's modules whose ``prepare_data_loader`` rebuilds a loader from its attributes
+#: (Ray Train V2 has its own).
+_PREPARING = frozenset({"ray.train.torch.train_loop_utils", "ray.train.v2.torch.train_loop_utils"})
 
 
-def refuse_rebuild(module: object, function: str) -> None:
+def refuse_rebuild(reader: FrameType) -> None:
     """Raise where Ray's ``prepare_data_loader`` reads a prefetcher's loader to rebuild it.
 
-    ``module`` and ``function``: the ``__name__`` and function name of the code reading an
-    attribute of the loader through the prefetcher. Ray reads them only when it builds a new
-    ``DataLoader`` (several workers, a sampler to add): with one worker it wraps the prefetcher
-    itself, which iterates it, and nothing is refused.
+    ``reader``: the frame reading an attribute of the loader through the prefetcher. Ray
+    reads them only when it builds a new ``DataLoader`` (several workers, a sampler to add):
+    with one worker it wraps the prefetcher itself, which iterates it, and nothing is refused.
 
     Raises:
         TypeError: the reader is ``prepare_data_loader``.
     """
-    if (module, function) == _PREPARE:
+    function, module = reader.f_code.co_name, reader.f_globals.get("__name__")
+    if function == "prepare_data_loader" and module in _PREPARING:
         raise TypeError(
             "ray.train.torch.prepare_data_loader() was given a nostall Prefetcher: it builds "
             "a new DataLoader from the loader's attributes (to add a DistributedSampler), and "
