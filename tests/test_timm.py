@@ -26,10 +26,11 @@ import pytest
 import torch
 from frameworks.timm_like import Augmented, create_loader
 from torch.nn import functional
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import nostall
-from nostall._sources.global_draws import GlobalDrawsWarning
+from nostall._sources.global_draws import DrawWatch, GlobalDrawsWarning, Watch
+from nostall._sources.sources import classify
 
 #: (epoch, step) after which the checkpoint is saved: mid-epoch 1.
 SAVE_AT = (1, 2)
@@ -321,3 +322,22 @@ def test_nostall_trains_what_the_plain_loop_trains_over_a_prefetch_loader() -> N
             batches.close()
         assert plain.steps == through.steps
         assert plain.weights() == through.weights()
+
+
+def test_a_batch_sampler_with_a_length_is_not_taken_for_a_repeating_one() -> None:
+    """Only an endless sampler starts an unseeded shuffle mid-epoch.
+
+    A batch sampler of one's own over a RandomSampler draws its order when the epoch's iterator
+    starts, as torch's do: a loader with workers is clear of draws from the start.
+    """
+
+    class Buckets(BatchSampler):
+        pass
+
+    dataset = Augmented(draws=False)
+    loader = DataLoader(
+        dataset, batch_sampler=Buckets(RandomSampler(dataset), 4, False), num_workers=2
+    )
+    assert DrawWatch(classify(loader)).state is Watch.CLEAR
+    repeating = multi_epochs_loader(use_prefetcher=False)
+    assert DrawWatch(classify(repeating)).reshuffles == "RepeatSampler"
