@@ -276,6 +276,35 @@ def test_multi_epochs_loader_is_loaded_ahead_where_the_step_draws_nothing_of_tor
     assert plain.weights() == through.weights()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_prefetch_loader_opened_ahead_keeps_the_plain_orders_or_is_warned_of(
+    workers: int,
+) -> None:
+    """across_epochs=True over timm's PrefetchLoader: its order is drawn at its first pull.
+
+    Once the epoch is opened ahead, in nostall's thread, among the step's own draws.
+    """
+    seed_all(0)
+    plain = Trainer(step_time=0.005)
+    train(create_loader(Augmented(draws=False), num_workers=workers), plain, range(EPOCHS))
+    seed_all(0)
+    through = Trainer(step_time=0.005)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = nostall.prefetch(
+            create_loader(Augmented(draws=False), num_workers=workers), "cpu", across_epochs=True
+        )
+        train(batches, through, range(EPOCHS))
+        batches.close()
+    if epoch_orders(plain) == epoch_orders(through):
+        return
+    at_user = [w for w in caught if w.filename == __file__]
+    assert at_user, (
+        f"the epochs' orders differ from the plain run's and nothing was warned at the loop "
+        f"(warned elsewhere: {[(w.filename, str(w.message)[:80]) for w in caught]})"
+    )
+
+
 # -- 5: augmentations drawn in worker processes, or one batch ahead in the main process ----------
 
 
