@@ -388,8 +388,8 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         if held and lineage.at.loaded is None and not uncounts(lineage.at, lineage.epochs):
             warn_counted_ahead(describe(self._source), held, lineage.epochs.stateful)
         state = state_of(lineage.at, lineage.epochs, held)
-        if lineage.epochs.draws.was_apart and lineage.at.loaded is None:
-            with_source_draws(state, lineage.epochs.draws)  # a source that draws, loaded ahead
+        if lineage.epochs.draws.drew and lineage.at.loaded is None:
+            with_source_draws(state, lineage.epochs.draws)  # a source that draws
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from .._clients.fabric import IterCount
 from .._sources.samplers import capture_rng, generators_of, sampler_epoch_of
+from .._sources.sources import iterated_loader
 from .._torch_compat import live_iterator
 
 #: Epochs before the latest one opened whose records are kept: the producer may open several
@@ -124,8 +125,9 @@ class DrawnOrders:
         captured: dict[str, Any] = {
             "rng": capture_rng(source),
             "sampler_epoch": sampler_epoch_of(source),
-            # A persistent loader's first iterator also draws its workers' base seed.
-            "fresh_iterator": live_iterator(source) is None,
+            # A persistent loader's first iterator also draws its workers' base seed (that of
+            # the loader a wrapper iterates, too).
+            "fresh_iterator": live_iterator(iterated_loader(source)) is None,
         }
         if self.count is not None:
             captured.update(self.count.drawn(captured["sampler_epoch"]))

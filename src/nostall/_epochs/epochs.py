@@ -352,7 +352,12 @@ class EpochSource:
         """
         rng = replay["rng"]
         back, drew = HandBack(rng["torch"]), False  # back(): once the order and skips drew
-        source_draws = replay.get("source_draws")
+        source_draws, pull_draws = replay.get("source_draws"), replay.get("pull_draws")
+
+        def last_pull() -> None:
+            """The last skipped batch pulled draws as its pull did (resume.with_source_draws)."""
+            if pull_draws is not None:
+                set_states(pull_draws)
 
         def given_back() -> None:
             """The user's generators back; a prefetched source's as after the state's batch."""
@@ -377,7 +382,17 @@ class EpochSource:
                 if skipped:
                     given_back()
             else:
-                it = skip_ahead(self.iterable, skipped, self._iterate, given_back)
+                held = self.kind.held_persistent
+                if (
+                    held is not None
+                    and not replay["fresh_iterator"]
+                    and live_iterator(held) is None
+                ):
+                    # The same for the persistent loader a wrapper iterates (timm's
+                    # PrefetchLoader): start its workers, then the wrapper's iter() resets it.
+                    iter(held)
+                    self.orders.restore(self.source, rng)
+                it = skip_ahead(self.iterable, skipped, self._iterate, given_back, last_pull)
             # Pull the first batch now: a sampler may draw its order lazily at its first item
             # (where batches were skipped, the skip gave the generators back right after it).
             # A batch that raises raises at its next(), as uninterrupted: not taken for the

@@ -153,21 +153,29 @@ def state_of(at: Position, epochs: EpochSource, held: int = 0) -> dict[str, Any]
 
 
 def with_source_draws(state: dict[str, Any], draws: DrawWatch) -> None:
-    """Add to ``state`` the source's generators as they were after its last batch.
+    """Add to ``state`` the source's generators as they were around its last batch's pull.
 
-    For a source that draws and was loaded ahead (``draws.was_apart``): the generators the
-    user's checkpoint saves are ahead of the loop by the batches loaded ahead; a resumed run
-    sets the source's ones back to these once the batches before the state are skipped
-    (``EpochSource._replay``), so that the batches after it draw what they drew. Inside an
-    epoch only; elsewhere (or not recorded) ``draws`` warns instead.
+    For a source known to draw (``draws.drew``), inside an epoch: ``pull_draws``, the states
+    as the last batch's pull began (``DrawWatch.states_before``), which a resumed run that
+    pulls the batches before the state sets before the last of them, so that a batch the
+    source took ahead in that pull draws what it drew. For one that was loaded ahead
+    (``draws.was_apart``), also ``source_draws``, the states after that pull: the generators
+    the user's checkpoint saves are ahead of the loop by the batches loaded ahead; a resumed
+    run sets the source's ones back to these once the batches before the state are skipped
+    (``EpochSource._replay``), so that the batches after it draw what they drew. Elsewhere (or
+    not recorded) ``draws`` warns instead, where it was loaded ahead.
     """
     replay, batches = state.get("replay"), state.get("batches_yielded")
     if isinstance(replay, dict) and batches and "end_of" not in replay:
-        found = draws.states_after(state["epoch"], batches)
+        before = draws.states_before(state["epoch"], batches)
+        if before is not None:
+            replay = state["replay"] = {**replay, "pull_draws": before}
+        found = draws.states_after(state["epoch"], batches) if draws.was_apart else None
         if found is not None:
             state["replay"] = {**replay, "source_draws": found}
             return
-    draws.ahead_of_the_loop()
+    if draws.was_apart:
+        draws.ahead_of_the_loop()
 
 
 def loaded_position(
@@ -402,6 +410,7 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
             f"{received(rng)}); pass a state from Prefetcher.state_dict()"
         )
     _check_source_draws(replay.get("source_draws"), f"{where}['source_draws']")
+    _check_source_draws(replay.get("pull_draws"), f"{where}['pull_draws']")
     for name, value in rng.items():
         try:
             torch.Generator().set_state(value)  # the same check a real restore would make

@@ -71,6 +71,7 @@ def skip_ahead(
     count: int,
     iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: open_epoch(loader),
     started: Callable[[], None] = lambda: None,
+    last_pull: Callable[[], None] = lambda: None,
 ) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
@@ -82,7 +83,9 @@ def skip_ahead(
     pulled too.) ``iterate(loader, skipped)`` makes an epoch's iterator (``threads=``: a
     :class:`~nostall._loading.threads.ThreadedEpoch`). ``started()`` is called once the skipped
     batches (and a sampler's start) drew what they draw, before the next batch's samples load
-    (with no batch to skip, never).
+    (with no batch to skip, never). Where the batches are pulled and dropped, ``last_pull()``
+    is called before the last of them is pulled (its pull may take the next batch ahead, as
+    timm's ``PrefetchLoader`` does: the resume sets the generators as that pull found them).
     """
     if not count:
         started = _nothing
@@ -96,7 +99,9 @@ def skip_ahead(
         if clone is not None:
             return iterate(fabric_over(source, clone), count)
     it = iterate(source, 0)
-    for _ in range(count):
+    for pulled in range(count):
+        if pulled == count - 1:
+            last_pull()
         try:
             next(it)
         except StopIteration:

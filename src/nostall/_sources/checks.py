@@ -139,16 +139,19 @@ def warn_drawn_ahead(kind: SourceKind) -> None:
     A DataLoader draws its workers' base seed at every ``iter()`` from its ``generator=``, or
     from torch's global generator without one, and a ``RandomSampler`` without a generator of
     its own draws its order there too. A plain loop draws them at its ``iter()``; opened ahead
-    (``across_epochs=True``) they are drawn at a moment that depends on the threads.
+    (``across_epochs=True``) they are drawn at a moment that depends on the threads. So does
+    a wrapper that iterates a DataLoader it holds (timm's ``PrefetchLoader``), at its first
+    pull.
     """
-    loader = kind.inner
+    loader = kind.inner if kind.inner is not None else kind.held
     if loader is None:
         return
+    persistent = kind.persistent if kind.inner is not None else kind.held_persistent is not None
     samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
     # torch's random samplers (RandomSampler, SubsetRandomSampler, WeightedRandomSampler) keep
     # a ``generator``: None draws from torch's. A persistent loader draws its base seed once.
     unseeded = [s for s in samplers if s is not None and getattr(s, "generator", 0) is None]
-    if (loader.generator is not None or kind.persistent) and not unseeded:
+    if (loader.generator is not None or persistent) and not unseeded:
         return
     # What drew: a sampler with a seed of its own (a DistributedSampler's) draws nothing
     # there; the DataLoader's base seed (its workers' seeds, drawn with or without workers)

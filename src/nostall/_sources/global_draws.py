@@ -95,7 +95,7 @@ from torch.utils.data import (
 
 from .._torch_compat import index_sampler
 from .._warn import warn
-from .generators import Snapshot, Trial, moved, snapshot, states_of
+from .generators import TORCH, Snapshot, Trial, moved, snapshot, states_of
 from .sources import SourceKind
 
 M = TypeVar("M")
@@ -225,12 +225,17 @@ class DrawWatch:
         workers = kind.workers > 0
         inert = kind.batches_known and not transform
         unwatched = getattr(_context, "unwatched", False)
-        self.state = Watch.CLEAR if workers or inert or unwatched else Watch.WATCHING
+        #: The source's sampler draws a new order from torch's generator in the middle of an
+        #: epoch, at whichever pull reaches it (:func:`reshuffler`), workers or not: known to
+        #: draw from the start; a look at the loop decides (APART, or in step for good).
+        self.reshuffles = None if unwatched or threads is not None else reshuffler(kind)
+        quiet = (workers or inert) and self.reshuffles is None
+        self.state = Watch.CLEAR if quiet or unwatched else Watch.WATCHING
         self.in_step = self.state is Watch.WATCHING
         #: Pulls go through :meth:`pull` (any state but CLEAR: counted, judged or checked).
         self.watched = self.state is not Watch.CLEAR
         self.judged = 0
-        self.drew: tuple[str, ...] = ()
+        self.drew: tuple[str, ...] = () if self.reshuffles is None else (TORCH,)
         self._reported = False
         #: What the loop drew from between two batches, where no pull ran meanwhile.
         self.loop_drew: set[str] = set()
@@ -249,6 +254,10 @@ class DrawWatch:
         self._told_ahead = False  # see ahead_of_the_loop
         #: (epoch, batches pulled) -> the source's generators' states then (states_after).
         self._after: collections.OrderedDict[tuple[int, int], dict[str, Any]] = (
+            collections.OrderedDict()
+        )
+        #: (epoch, batches pulled) -> those states as that batch's pull began (states_before).
+        self._before: collections.OrderedDict[tuple[int, int], dict[str, Any]] = (
             collections.OrderedDict()
         )
         #: Serialises the state's changes made from the loop's thread and the producer's.
@@ -278,6 +287,8 @@ class DrawWatch:
         state = self.state
         if state is Watch.APART or state is Watch.RECHECK:
             return self._pull_apart(pull, at)
+        if self.drew and self.threads is None and not (first and ahead):
+            return self._pull_kept(pull, at)  # in step: decided by step_seen, or for good
         if (first and (ahead or not self.first_judged)) or state is not Watch.WATCHING:
             return self._counted(pull)
         if self.drew:
@@ -306,6 +317,38 @@ class DrawWatch:
             self._pulls += 1
             self._pulling = False
 
+    def _pull_kept(self, pull: Callable[[], M], at: Callable[[], tuple[int, int]]) -> M:
+        """A pull of a source known to draw, in step: its generators' states kept before it."""
+        kept = states_of(self.drew)
+        message = self._counted(pull)
+        self._remember(self._before, at(), kept)
+        return message
+
+    def _remember(
+        self,
+        store: collections.OrderedDict[tuple[int, int], dict[str, Any]],
+        key: tuple[int, int],
+        states: dict[str, Any] | None,
+    ) -> None:
+        """Keep ``states`` under ``key`` (none where they cannot be saved), the last ones."""
+        if states is None:
+            return
+        store[key] = states
+        while len(store) > KEPT_STATES:
+            store.popitem(last=False)
+
+    def states_before(self, epoch: int, batches: int) -> dict[str, Any] | None:
+        """The source's generators' whole states as the pull of batch ``batches`` began.
+
+        Recorded for a source known to draw, pulled in step or prefetched (not under
+        ``threads=``): a source that holds a batch it took ahead (timm's ``PrefetchLoader``
+        yields batch k once it took and augmented batch k + 1) drew that next batch's numbers
+        in the pull of the last batch handed out, from these states. A resumed run that pulls
+        the batches before a state sets them before it pulls the last of them (see
+        ``EpochSource._replay``). None where not recorded.
+        """
+        return self._before.get((epoch, batches))
+
     def states_after(self, epoch: int, batches: int) -> dict[str, Any] | None:
         """The source's generators' whole states right after batch ``batches`` of ``epoch``.
 
@@ -323,17 +366,16 @@ class DrawWatch:
         the watch goes in step for good (see :meth:`caught_drawing`).
         """
         left, before = self._left, snapshot()
+        kept = states_of(self.drew, before)  # read before the pull: NumPy's is read now
         if left is not None and self.state is not Watch.DRAWS:
             between = [g for g in moved(left, before) if g in self.drew]
             if between:
                 self.caught_drawing(between, "between two batches loaded ahead")
         message = self._counted(pull)
         self._left = left = snapshot()
-        saved = states_of(self.drew, left)
-        if saved is not None:
-            self._after[at()] = saved
-            while len(self._after) > KEPT_STATES:
-                self._after.popitem(last=False)
+        key = at()
+        self._remember(self._after, key, states_of(self.drew, left))
+        self._remember(self._before, key, kept)
         self._apart_pulls += 1
         if self.state is Watch.APART and self._apart_pulls >= RECHECK_PULLS:
             with self._lock:
@@ -459,6 +501,8 @@ class DrawWatch:
 
     def message(self) -> str:
         """What drew, what nostall does about it, what it costs, and the fix."""
+        if self.reshuffles is not None:
+            return _reshuffle_message(self.kind, self.reshuffles, self.was_apart)
         what = " and ".join(self.drew)
         who = _who(self.kind) + (", or the transform= given to nostall" if self.transform else "")
         if self.threads is not None:
@@ -529,6 +573,72 @@ def quiet_after_start(loader: Any) -> bool:
 #: Samplers that draw nothing from the global generators when their iterator starts, provided
 #: they have a generator of their own (``generator``; a DistributedSampler always seeds one).
 _OWN_GENERATOR = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def reshuffler(kind: SourceKind) -> str | None:
+    """Which sampler of the source's loader draws an order again in the middle of an epoch.
+
+    None for torch's own index samplers: they draw (if at all) when the epoch's iterator
+    starts, which nostall does where a plain loop does. An endless index sampler (one without
+    a length: it repeats its passes) that holds one of torch's random samplers without a
+    generator of its own starts that one again at whichever batch reaches a new pass: timm's
+    ``MultiEpochsDataLoader`` iterates one ``_RepeatSampler`` over all its epochs, and each
+    pass's order is drawn from torch's global generator there (with workers, in the main
+    process, as it puts the pass's first indices to a worker, a few batches before the
+    previous pass ends). The loader is the source, or the one a wrapper holds (timm's
+    ``PrefetchLoader``). Returns the index sampler's type name.
+    """
+    loader = kind.map_style_maker
+    if loader is None:
+        return None
+    outer = index_sampler(loader)
+    if type(outer) in _TORCH_INDEX_SAMPLERS or hasattr(type(outer), "__len__"):
+        return None
+    sampler = outer
+    for _ in range(3):  # the repeater, a batch sampler, the random sampler
+        sampler = getattr(sampler, "sampler", None)
+        if isinstance(sampler, _OWN_GENERATOR) and sampler.generator is None:
+            return type(outer).__qualname__
+        if sampler is None:
+            return None
+    return None
+
+
+#: torch's index samplers, which draw (if at all) only when the epoch's iterator starts.
+_TORCH_INDEX_SAMPLERS = (
+    BatchSampler,
+    SequentialSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    DistributedSampler,
+)
+
+
+def _reshuffle_message(kind: SourceKind, sampler: str, was_apart: bool) -> str:
+    """The warning for a source whose sampler draws its orders mid-epoch (:func:`reshuffler`)."""
+    loader = kind.loader if kind.loader is not None else kind.held
+    who = type(loader).__qualname__ + ("" if kind.loader is not None else f" (in {kind.name})")
+    before = (
+        " (the orders it drew while loading ahead, before your loop was seen drawing, may "
+        "differ from the plain loop's)"
+        if was_apart
+        else ""
+    )
+    return (
+        f"nostall: the sampler of {who}, {sampler}, starts its random sampler again in the "
+        f"middle of an epoch, drawing each pass's order from torch's global generator at "
+        f"whichever batch reaches it (timm's MultiEpochsDataLoader does, a few batches before "
+        f"each epoch ends), and your loop draws from that generator too (your step: dropout "
+        f"on the CPU, say). Loading ahead in a background thread would draw those orders at a "
+        f"moment that depends on the threads, so each epoch's order would differ from the "
+        f"plain loop's and from run to run. nostall loads each batch only when your loop asks "
+        f"for it, as the DataLoader itself does: the same orders as without nostall, but "
+        f"nothing is fetched ahead{before}. To prefetch, give the random sampler a seeded "
+        f"generator of its own (e.g. loader.sampler.generator = "
+        f"torch.Generator().manual_seed(seed)), or use a plain DataLoader with "
+        f"persistent_workers=True"
+    )
 
 
 def _quiet_start(kind: SourceKind) -> bool:

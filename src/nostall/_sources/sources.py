@@ -21,6 +21,8 @@ The kinds, as the checks tell them apart::
     Lightning Fabric's loader                  client=FABRIC   counts iter() calls
     accelerate's prepared loader               client=ACCELERATE  a shard of a DataLoader
     an IterableDataset given as the source     iterable_dataset (webdataset, HF streaming)
+    an object that iterates a DataLoader it    held            its persistent workers' iterator
+      holds (timm's PrefetchLoader)
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class SourceKind:
     #: The loader's dataset is a torchdata ``IterDataPipe`` (seeded and sharded by torch's
     #: own iterator, which threads would bypass).
     datapipe: bool
+    #: A plain source that is no DataLoader but holds one as an attribute, the only one it
+    #: holds (timm's ``PrefetchLoader`` keeps it in ``.loader``): what it iterates, presumably.
+    held: DataLoader[Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def workers(self) -> int:
@@ -104,6 +109,31 @@ class SourceKind:
     def persistent(self) -> bool:
         """A loader that keeps its workers, and its iterator, across epochs."""
         return self.workers > 0 and bool(self.loader.persistent_workers)  # type: ignore[union-attr]
+
+    @property
+    def held_persistent(self) -> DataLoader[Any] | None:
+        """The loader a wrapper holds (``held``) where it keeps its workers across epochs.
+
+        Its first ``iter()`` draws its workers' base seed and its order; each later one only
+        its order: a wrapper resumed over a fresh one must start its workers first (see
+        ``EpochSource._replay``).
+        """
+        held = self.held
+        if held is None or held.num_workers <= 0 or not held.persistent_workers:
+            return None
+        return held
+
+    @property
+    def map_style_maker(self) -> DataLoader[Any] | None:
+        """The DataLoader over a map-style dataset that makes the batches, or None.
+
+        The source itself, or the loader a wrapper holds (``held``): its index sampler says
+        when an order is drawn (see ``global_draws.reshuffler``).
+        """
+        loader = self.loader if self.loader is not None else self.held
+        if loader is None or isinstance(loader.dataset, IterableDataset):
+            return None
+        return loader
 
     @property
     def restarts_workers(self) -> bool:
@@ -230,4 +260,34 @@ def classify(source: object) -> SourceKind:
         accelerate_shard=is_prepared_shard(source),
         accelerate_dispatcher=is_dispatcher(source),
         datapipe=loader is not None and isinstance(loader.dataset, IterDataPipe),
+        held=held_loader(source) if loader is None and client is Client.PLAIN else None,
     )
+
+
+def held_loader(source: object) -> DataLoader[Any] | None:
+    """The one DataLoader among ``source``'s own attributes, or None (none, or several).
+
+    Asked of a plain source that is no DataLoader: a wrapper whose ``__iter__`` iterates a
+    DataLoader it keeps (timm's ``PrefetchLoader``, a loader of one's own that normalises or
+    moves each batch). Only its instance attributes are looked at, nothing is called.
+    """
+    try:
+        values = vars(source).values()
+    except TypeError:  # no __dict__ (a list, a generator, slots)
+        return None
+    found = [value for value in values if isinstance(value, DataLoader)]
+    return found[0] if len(found) == 1 else None
+
+
+def iterated_loader(source: object) -> object:
+    """The object whose live iterator a source's epochs share: the loader a wrapper holds.
+
+    The source itself, except a plain wrapper that holds one DataLoader (see
+    :func:`held_loader`); read with ``live_iterator`` (a persistent loader's iterator).
+    """
+    if isinstance(source, DataLoader) or is_fabric_loader(source):
+        return source
+    if isinstance(source, prepared_loader_types()):
+        return source
+    held = held_loader(source)
+    return source if held is None else held
