@@ -377,3 +377,52 @@ def test_a_batch_sampler_with_a_length_is_not_taken_for_a_repeating_one() -> Non
     assert DrawWatch(classify(loader)).state is Watch.CLEAR
     repeating = multi_epochs_loader(use_prefetcher=False)
     assert DrawWatch(classify(repeating)).reshuffles == "RepeatSampler"
+
+
+# -- docs/clients/timm.md ------------------------------------------------------------------------
+
+
+def page_train(monkeypatch: pytest.MonkeyPatch) -> Callable[..., torch.nn.Module]:
+    """docs/clients/timm.md's ``train``, its ``timm.data.create_loader`` the stand-in's."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "clients" / "timm.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+    assert 1 == len(blocks)
+    timm, data = types.ModuleType("timm"), types.ModuleType("timm.data")
+    data.create_loader = create_loader  # type: ignore[attr-defined]
+    timm.data = data  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "timm", timm)
+    monkeypatch.setitem(sys.modules, "timm.data", data)
+    names: dict[str, Any] = {"__name__": "timm_page"}
+    exec(compile(blocks[0], "docs/clients/timm.md", "exec"), names)
+    return names["train"]  # type: ignore[no-any-return]
+
+
+def test_the_pages_loop_trains_as_over_timms_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page's loop through nostall ends with the weights of the same loop over the loader."""
+    train = page_train(monkeypatch)
+
+    def model_and_optimizer() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        model = torch.nn.Linear(4, 24)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    seed_all(0)  # the workers' seeds, drawn from the global generators at the first iter()
+    model, optimizer = model_and_optimizer()
+    plain = create_loader(Augmented(draws=True), batch_size=4, num_workers=2, use_prefetcher=False)
+    for _ in range(2):
+        for inputs, targets in plain:
+            loss = functional.cross_entropy(model(inputs), targets)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad()
+    del plain
+    seed_all(0)
+    trained, optimizer = model_and_optimizer()
+    assert trained is train(trained, optimizer, Augmented(draws=True), 2, device="cpu")
+    assert torch.equal(model.weight, trained.weight)
+    assert torch.equal(model.bias, trained.bias)
