@@ -426,3 +426,23 @@ def test_the_pages_loop_trains_as_over_timms_loader(monkeypatch: pytest.MonkeyPa
     assert trained is train(trained, optimizer, Augmented(draws=True), 2, device="cpu")
     assert torch.equal(model.weight, trained.weight)
     assert torch.equal(model.bias, trained.bias)
+
+
+def test_a_prefetch_loader_loaded_in_step_is_told_timms_fix() -> None:
+    """The warning for timm's PrefetchLoader (recognised by its class) names --no-prefetcher."""
+    from frameworks import timm_like
+
+    class PrefetchLoader(timm_like.PrefetchLoader):
+        """As timm's class is named and placed."""
+
+    PrefetchLoader.__module__ = "timm.data.loader"
+    inner = create_loader(Augmented(draws=True), num_workers=0, use_prefetcher=False)
+    batches = nostall.prefetch(PrefetchLoader(inner, re_prob=0.5))
+
+    def train() -> None:
+        for _ in batches:
+            torch.rand(1)  # the step draws from torch's generator too
+
+    with pytest.warns(GlobalDrawsWarning, match=r"use_prefetcher=False\) \(train\.py's"):
+        train()
+    batches.close()

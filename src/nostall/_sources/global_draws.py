@@ -93,6 +93,7 @@ from torch.utils.data import (
     default_convert,
 )
 
+from .._clients.timm import TIMM_FIX, is_timm_prefetch_loader
 from .._torch_compat import index_sampler
 from .._warn import warn
 from .generators import TORCH, Snapshot, Trial, moved, snapshot, states_of
@@ -540,6 +541,8 @@ class DrawWatch:
                 "(DataLoader(num_workers=2): each worker draws from its own seed); either way "
                 "not the values num_workers=0 draws"
             )
+        if self.threads is None and is_timm_prefetch_loader(self.kind.source):
+            fix = f"{TIMM_FIX}. {fix}"
         seen = "seen while loading a batch; another thread of yours drawing then looks the same"
         if self.caught is not None and self.threads is None:
             done = (
