@@ -6,8 +6,10 @@ import gc
 import inspect
 import os
 import re
+import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -817,23 +819,32 @@ def test_every_loader_argument_reads_the_loaders_value(pin_memory: bool) -> None
         assert getattr(loader, name) is getattr(p, name), name
 
 
-def test_ray_rebuilding_a_loader_from_the_prefetcher_is_refused() -> None:
+def test_ray_rebuilding_a_loader_from_the_prefetcher_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Ray Train's prepare_data_loader reads the loader through it to build a new one: refused.
 
     Its code stands in here (Ray's test, tests/test_ray.py, runs the real one); the same
     function under another module, and other readers, read through as before.
     """
     p = nostall.prefetch(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
-    source = "def prepare_data_loader(loader):\n    return loader.sampler\n"
+    source = (
+        "def prepare_data_loader(loader, rebuild):\n"
+        "    def with_sampler(loader):\n"
+        "        return loader.dataset\n"
+        "    return with_sampler(loader) if loader.sampler and rebuild else loader\n"
+    )
     modules = ["ray.train.torch.train_loop_utils", "ray.train.v2.torch.train_loop_utils"]
     for module, refused in [*((m, True) for m in modules), ("mine", False)]:
+        monkeypatch.setitem(sys.modules, module, types.ModuleType(module))  # as if imported
         scope: dict[str, Any] = {"__name__": module}
         exec(source, scope)
+        assert scope["prepare_data_loader"](p, rebuild=False) is p  # Ray wraps it: it works
         if refused:
             with pytest.raises(TypeError, match=r"prefetch\(ray.train.torch.prepare_data_loader"):
-                scope["prepare_data_loader"](p)
+                scope["prepare_data_loader"](p, rebuild=True)
         else:
-            assert scope["prepare_data_loader"](p) is p.sampler
+            assert scope["prepare_data_loader"](p, rebuild=True) is p.dataset
 
 
 def test_setting_a_loader_attribute_is_refused_as_the_loader_refuses_it() -> None:
@@ -1081,6 +1092,39 @@ def test_an_iterator_that_restarts_on_iter_resumes_mid_epoch(across_epochs: bool
     assert rest == [b.tolist() for (b,) in resumed]
     assert sorted(i for batch in seen + rest for i in batch) == list(range(16))
     assert first != seen + rest
+
+
+def test_a_loader_subclass_that_iterates_itself_resumes_loading_no_skipped_sample() -> None:
+    """Its ``__iter__`` goes through torch's: a copy with a skipping sampler is still exact."""
+    loaded: list[int] = []
+
+    class Hooked(DataLoader[Any]):
+        """Adds a step to each batch, as many loaders of one's own do."""
+
+        def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+            for (batch,) in super().__iter__():
+                yield batch * 10
+
+    def loader() -> Hooked:
+        class Counted(TensorDataset):
+            def __getitem__(self, i: int) -> Any:
+                loaded.append(i)
+                return super().__getitem__(i)  # type: ignore[no-untyped-call]
+
+        g = torch.Generator().manual_seed(0)
+        return Hooked(Counted(torch.arange(16)), batch_size=2, shuffle=True, generator=g)
+
+    p = nostall.prefetch(loader())
+    it = iter(p)
+    [next(it) for _ in range(5)]
+    state = p.state_dict()
+    rest = [b.tolist() for b in it]
+    p.close()
+    loaded.clear()
+    resumed = nostall.prefetch(loader())
+    resumed.load_state_dict(state)
+    assert rest == [b.tolist() for b in resumed]
+    assert 16 - 10 == len(loaded)  # the first five batches were skipped, not loaded
 
 
 def test_breaking_out_of_a_generator_loses_nothing() -> None:

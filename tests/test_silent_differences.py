@@ -411,6 +411,21 @@ def test_across_epochs_setting_an_epoch_the_loop_never_sets_is_said_once(shuffle
     assert (rest[0] != plain[1]) == shuffle  # the difference said
 
 
+def test_across_epochs_under_a_loop_that_takes_len_batches_is_said_too() -> None:
+    """A loop that never asks for an epoch's end (Lightning's way) and never sets the epoch."""
+    loader = distributed()
+    batches = nostall.prefetch(loader, across_epochs=True)
+    it = iter(batches)
+    [next(it) for _ in range(len(batches))]
+    with pytest.raises(UserWarning, match="your loop never set the epoch"):
+        next(iter(batches))
+    it = iter(batches)
+    rest = [next(it) for _ in range(len(batches))]  # said once: the epoch goes on
+    batches.close()
+    assert len(rest) == len(batches)
+    assert type(loader.sampler.epoch) is int  # type: ignore[attr-defined]  # no mark left
+
+
 @pytest.mark.parametrize("how", ["prefetcher", "sampler"])
 def test_across_epochs_with_a_loop_that_sets_the_epoch_says_nothing(how: str) -> None:
     """A loop that sets each epoch asked for the orders nostall draws: nothing to say.

@@ -22,6 +22,17 @@ OWN_ATTRIBUTES = frozenset(
 )
 
 
+#: The modules whose code rebuilds a loader from a prefetcher's attributes, which is refused
+#: (see ``nostall._clients.ray`` and ``nostall._clients.accelerate``).
+_REBUILDERS = frozenset(
+    {
+        "ray.train.torch.train_loop_utils",
+        "ray.train.v2.torch.train_loop_utils",
+        "accelerate.data_loader",
+    }
+)
+
+
 class LoaderAttributes:
     """Forwards names not its own to ``self._source``; a base of ``Prefetcher``.
 
@@ -51,11 +62,12 @@ class LoaderAttributes:
             raise AttributeError(name)
         if "_source" not in self.__dict__:
             raise AttributeError(name)
-        from ._clients import accelerate, ray
+        if any(name in sys.modules for name in _REBUILDERS):  # three lookups where none is
+            from ._clients import accelerate, ray
 
-        reader = sys._getframe(1)  # a framework rebuilding the loader from these attributes
-        ray.refuse_rebuild(reader)
-        accelerate.refuse_rebuild(reader)
+            reader = sys._getframe(1)  # a framework rebuilding the loader from these attributes
+            ray.refuse_rebuild(reader)
+            accelerate.refuse_rebuild(reader)
         self._resolve_shard()
         return getattr(self.__dict__["_source"], name)
 

@@ -362,7 +362,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         if epoch < 0:
             raise ValueError(f"set_epoch(epoch) takes an int >= 0 (got epoch={epoch})")
         lineage = self._lineage
-        lineage.epochs.unasked.loop_sets()
+        lineage.epochs.unasked.loop_sets(lineage.epochs.kind)
         if lineage.ahead_in(epoch):
             return  # the producer already started this epoch, with set_epoch(epoch)
         lineage.discard_ahead()

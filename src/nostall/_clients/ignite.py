@@ -29,7 +29,7 @@ def engine_skips(caller: FrameType) -> int | None:
 
     ``caller``: the frame that called ``iter()`` on the prefetcher. None where it is not the
     engine's ``_from_iteration`` (whose ``iteration``, once it calls ``iter()``, is the count
-    it pulls and drops: the engine's iteration within the epoch).
+    it pulls and drops: the engine's ``state.iteration % len(data)``).
     """
     if (caller.f_globals.get("__name__"), caller.f_code.co_name) != _SKIPPER:
         return None

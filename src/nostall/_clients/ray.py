@@ -26,14 +26,16 @@ def refuse_rebuild(reader: FrameType) -> None:
     """Raise where Ray's ``prepare_data_loader`` reads a prefetcher's loader to rebuild it.
 
     ``reader``: the frame reading an attribute of the loader through the prefetcher. Ray
-    reads them only when it builds a new ``DataLoader`` (several workers, a sampler to add):
-    with one worker it wraps the prefetcher itself, which iterates it, and nothing is refused.
+    rebuilds the loader in ``with_sampler``, inside ``prepare_data_loader``, only with several
+    workers and a sampler to add; elsewhere (one worker, a loader that has a
+    ``DistributedSampler`` already, ``add_dist_sampler=False``) it wraps the prefetcher itself,
+    which iterates it, and nothing is refused.
 
     Raises:
-        TypeError: the reader is ``prepare_data_loader``.
+        TypeError: the reader is Ray's ``with_sampler``.
     """
     function, module = reader.f_code.co_name, reader.f_globals.get("__name__")
-    if function == "prepare_data_loader" and module in _PREPARING:
+    if function == "with_sampler" and module in _PREPARING:
         raise TypeError(
             "ray.train.torch.prepare_data_loader() was given a nostall Prefetcher: it builds "
             "a new DataLoader from the loader's attributes (to add a DistributedSampler), and "

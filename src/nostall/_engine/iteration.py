@@ -329,11 +329,10 @@ class PrefetchIterator(Iterator[T]):
 
     def _start(self) -> Puller:
         lineage = self._lineage
-        if lineage.first_epoch():
+        first = lineage.first_epoch()
+        if first:
             epochs = lineage.epochs
             warn_if_hidden_from_framework(epochs.source, epochs.kind, self._settings.shard)
-        elif lineage.epochs.across_epochs:
-            lineage.epochs.unasked.starting(lineage.epochs.kind, lineage.epoch)
         ahead = lineage.take_ahead()
         if ahead is not None:
             # In step, it was opened when asked for; pulling inline, it is opened at the first
@@ -346,6 +345,8 @@ class PrefetchIterator(Iterator[T]):
             # nothing, and the next next() takes the epoch's first batch.
             if opened and not lineage.epochs.draws.in_step:
                 warn_drawn_ahead(lineage.epochs.kind)
+            if not first:  # (nostall set this epoch ahead, or the loop did since)
+                lineage.epochs.unasked.opened(lineage.epochs.kind, lineage.epoch)
             return ahead  # across epochs: this epoch is already being fetched
         # Two producers must never pull from one source: wait for the previous one. A timeout
         # here leaves this iteration as it was, so that next() can try again.
@@ -407,6 +408,8 @@ class PrefetchIterator(Iterator[T]):
         lineage.carry(puller)
         self._launch(puller)
         epochs.opened_here()  # last: a warning made an error leaves the epoch ready to go on
+        if epochs.across_epochs and not first:
+            epochs.unasked.opened(epochs.kind, lineage.epoch)
         return puller
 
     def _launch(self, puller: Puller) -> None:

@@ -182,7 +182,8 @@ class Lineage:
         epochs.hand_out(hook, end=True)
         self._at = self._at.after(epoch + 1, 0, state)
         follow = epochs.across_epochs and not puller.finished
-        puller.took_end(epoch, (lambda: epochs.forward_epoch(epoch + 1)) if follow else None)
+        forward = lambda: epochs.forward_epoch(epoch + 1, counted=True)  # noqa: E731
+        puller.took_end(epoch, forward if follow else None)
         epochs.ended_here(puller.marks.get(epoch))
         epochs.note_marks()
         if epochs.kind.one_shot:

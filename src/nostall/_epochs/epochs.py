@@ -168,12 +168,13 @@ class EpochSource:
         """What is iterated for each epoch: the source, or its accelerate shadow."""
         return self.source if self.mirror is None else self.mirror.shadow
 
-    def forward_epoch(self, epoch: int) -> None:
+    def forward_epoch(self, epoch: int, *, counted: bool = False) -> None:
         """Call ``set_epoch(epoch)`` where the source keeps it (see :func:`forward_set_epoch`).
 
-        Across epochs, by nostall's own count: marked so (``Counted``) until someone sets it.
+        ``counted``: across epochs, by nostall's own count: marked so (``Counted``) while
+        :attr:`unasked` has not decided whether the loop sets the epoch itself.
         """
-        forward_set_epoch(self.iterable, epoch, counted=True)
+        forward_set_epoch(self.iterable, epoch, counted=counted and self.unasked.deciding)
 
     def length(self) -> int | None:
         """Batches per epoch (``len(source)``), or None for a source without a length."""
@@ -305,7 +306,7 @@ class EpochSource:
             replay = resume["replay"]
             resume = {**resume, "replay": {**replay, "rng": {"torch": replay["rng"]["torch"]}}}
         if self.across_epochs if forward is None else forward:
-            forward_set_epoch(self.iterable, epoch, counted=True)
+            forward_set_epoch(self.iterable, epoch, counted=self.unasked.deciding)
         skipped = 0 if resume is None else resume["batches_yielded"]
         if self.stateful:
             if resume is not None and resume["source_state"] is not None:

@@ -422,7 +422,7 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
 
 
 def _check_source_draws(saved: object, where: str) -> None:
-    """Refuse a ``source_draws`` entry that a resume could not set (see ``with_source_draws``)."""
+    """Refuse generator states a resume could not set (``source_draws``, ``pull_draws``)."""
     if saved is None:
         return
     fix = "the checkpoint is damaged or not from Prefetcher.state_dict()"

@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from .._clients.accelerate import accelerate_is_active
 from .._warn import warn
-from .samplers import has_unreadable_set_epoch, left_as_counted, sampler_epoch_of
+from .samplers import has_unreadable_set_epoch, left_as_counted, unmark
 from .sharding import distributed_world, is_sharded, unsharded_warning
 from .sources import Client, SourceKind
 from .webdataset import shuffle_warning, unreplayable_shuffles
@@ -233,44 +233,50 @@ class SameEpochWatch:
 class UnaskedEpochWatch:
     """Warns once where ``across_epochs=True`` sets a sampler's epoch that the loop never sets.
 
-    Across epochs nostall calls ``set_epoch`` itself for each next epoch, marking the epoch it
-    set (``samplers.Counted``). A loop that sets the epoch (``prefetcher.set_epoch``, or
-    ``sampler.set_epoch`` directly, as Lightning, Fabric, accelerate and most loops do) leaves
-    a plain int there, and gets the orders it asks for. A loop that never does (an Ignite
-    ``Engine`` without its ``set_epoch`` handler) would, without nostall, draw every epoch's
-    order at the first epoch: with nostall each epoch has a new order, which is said once, as
-    the loop starts the first epoch whose epoch nostall set alone.
+    Across epochs nostall calls ``set_epoch`` itself for each next epoch. While this watch
+    decides, an epoch nostall moved the sampler to is marked (``samplers.Counted``). A loop that
+    sets the epoch (``prefetcher.set_epoch``, or ``sampler.set_epoch`` directly, as Lightning,
+    an Ignite handler and most loops do) leaves a plain int there, and gets the orders it asks
+    for. A loop that never does (an Ignite ``Engine`` without its ``set_epoch`` handler) would,
+    without nostall, repeat one epoch's order: with nostall each epoch has a new order, which
+    is said once, as the loop starts the first epoch whose epoch nostall set alone.
 
     Invariants:
-        * Checked as the loop starts an epoch after the first, before anything of it is taken:
-          raised as an error, the warning loses nothing, and is not raised again.
-        * Once the loop is seen setting the epoch (a plain int where nostall left its mark, or
-          ``prefetcher.set_epoch``), never.
+        * Decided at the first epoch a pass opens after the first pass, once that epoch is
+          open (its ``set_epoch`` made) and before anything of it is taken: raised as an
+          error, the warning loses nothing, and is not raised again.
+        * Once decided, nothing is marked any more, and the mark left is made a plain int
+          again: a sampler's ``epoch`` is a ``Counted`` only around the first epoch boundary
+          (``torch.load(weights_only=True)`` refuses one saved in a checkpoint).
+        * ``prefetcher.set_epoch`` decides at once: the loop sets the epoch.
     """
 
     def __init__(self) -> None:
-        self._settled = False
+        self._decided = False
 
-    def loop_sets(self) -> None:
+    @property
+    def deciding(self) -> bool:
+        """Whether nostall's own ``set_epoch`` calls are still marked (see the class)."""
+        return not self._decided
+
+    def loop_sets(self, kind: SourceKind) -> None:
         """The loop set the epoch itself (``prefetcher.set_epoch``)."""
-        self._settled = True
+        self._decide(kind)
 
-    def starting(self, kind: SourceKind, epoch: int) -> None:
-        """The loop starts ``epoch`` of a prefetcher that counts epochs (``across_epochs``)."""
-        if self._settled or epoch < 1:
+    def opened(self, kind: SourceKind, epoch: int) -> None:
+        """A pass after the first opened ``epoch`` of a prefetcher counting epochs."""
+        if self._decided:
             return
         if kind.client is not Client.PLAIN:
             # Fabric's and accelerate's loaders set the epoch themselves, from their own
             # count, at their iteration's start (which across epochs the producer may not
             # have reached yet): the loop's framework asks.
-            self._settled = True
+            self._decide(kind)
             return
         target = left_as_counted(kind.source)
-        if target is None:
-            if sampler_epoch_of(kind.source) is not None:
-                self._settled = True  # the loop set it after nostall did: it asks
-            return
-        self._settled = True
+        self._decide(kind)
+        if target is None or epoch < 1:
+            return  # the loop set it after nostall did, or nostall moved nothing
         if isinstance(target, DistributedSampler) and not target.shuffle:
             return  # its order does not depend on the epoch
         warn(
@@ -284,3 +290,7 @@ class UnaskedEpochWatch:
             f"which also silences this; to keep the loop's orders, pass across_epochs=False",
             UserWarning,
         )
+
+    def _decide(self, kind: SourceKind) -> None:
+        self._decided = True
+        unmark(kind.source)

@@ -257,6 +257,9 @@ class DrawWatch:
         self._after: collections.OrderedDict[tuple[int, int], dict[str, Any]] = (
             collections.OrderedDict()
         )
+        #: Whether a resume would pull the batches before a state (not skip them through a
+        #: sampler): only then are the states before each pull of use (``states_before``).
+        self.keeps_before = not kind.skippable
         #: (epoch, batches pulled) -> those states as that batch's pull began (states_before).
         self._before: collections.OrderedDict[tuple[int, int], dict[str, Any]] = (
             collections.OrderedDict()
@@ -288,7 +291,7 @@ class DrawWatch:
         state = self.state
         if state is Watch.APART or state is Watch.RECHECK:
             return self._pull_apart(pull, at)
-        if self.drew and self.threads is None and not (first and ahead):
+        if self.drew and self.keeps_before and self.threads is None and not (first and ahead):
             return self._pull_kept(pull, at)  # in step: decided by step_seen, or for good
         if (first and (ahead or not self.first_judged)) or state is not Watch.WATCHING:
             return self._counted(pull)
@@ -367,7 +370,7 @@ class DrawWatch:
         the watch goes in step for good (see :meth:`caught_drawing`).
         """
         left, before = self._left, snapshot()
-        kept = states_of(self.drew, before)  # read before the pull: NumPy's is read now
+        kept = states_of(self.drew, before) if self.keeps_before else None  # NumPy's read now
         if left is not None and self.state is not Watch.DRAWS:
             between = [g for g in moved(left, before) if g in self.drew]
             if between:

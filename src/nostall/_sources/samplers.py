@@ -7,7 +7,6 @@ marks that show someone set it, the generators an order is drawn from and their 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -33,7 +32,8 @@ class Counted(int):
     Equal to the plain int, and an int wherever it is used (a ``DistributedSampler`` seeds
     its shuffle with ``seed + epoch``: a plain int); only its type tells that nobody set the
     epoch since nostall did, since a ``set_epoch`` call stores the plain int it is given. It
-    pickles as a plain int.
+    unpickles as a plain int (``torch.load(weights_only=True)`` refuses it all the same: it is
+    left on a sampler only around the first epoch boundary, see ``UnaskedEpochWatch``).
     """
 
     __slots__ = ()
@@ -56,11 +56,18 @@ def forward_set_epoch(source: object, epoch: int, *, counted: bool = False) -> b
             before = getattr(target, "epoch", None)
             method(epoch)
             asked = type(before) is int and before == epoch
-            if counted and not asked and type(getattr(target, "epoch", None)) is int:
-                with contextlib.suppress(AttributeError, TypeError):  # a read-only epoch
-                    target.epoch = Counted(epoch)  # type: ignore[attr-defined]
+            if counted and not asked and type(getattr(target, "__dict__", {}).get("epoch")) is int:
+                # Only a plain instance attribute (not a property) is marked.
+                target.epoch = Counted(epoch)  # type: ignore[attr-defined]
             return True
     return False
+
+
+def unmark(source: object) -> None:
+    """Make a :class:`Counted` epoch left on the ``set_epoch`` target a plain int again."""
+    target = left_as_counted(source)
+    if target is not None:
+        target.epoch = int(target.epoch)  # type: ignore[attr-defined]
 
 
 def left_as_counted(source: object) -> object | None:

@@ -21,8 +21,8 @@ The kinds, as the checks tell them apart::
     Lightning Fabric's loader                  client=FABRIC   counts iter() calls
     accelerate's prepared loader               client=ACCELERATE  a shard of a DataLoader
     an IterableDataset given as the source     iterable_dataset (webdataset, HF streaming)
-    an object that iterates a DataLoader it    held            its persistent workers' iterator
-      holds (timm's PrefetchLoader)
+    an object that iterates a DataLoader it    held            its sampler, draws, persistent
+      holds (timm's PrefetchLoader)                              workers' iterator
 """
 
 from __future__ import annotations
@@ -165,13 +165,15 @@ class SourceKind:
     def skippable(self) -> bool:
         """A DataLoader whose copy may skip batches through its sampler, loading nothing.
 
-        A real DataLoader iterated by torch's own ``__iter__`` (a subclass with an ``__iter__``
-        of its own may iterate something else: accelerate's shard and Ray Train's prepared
-        loader each iterate a loader they hold, which a copy's sampler would not reach) over a
-        map-style dataset, without persistent workers (a copy would make its next epoch draw
-        differently).
+        A DataLoader over a map-style dataset, without persistent workers (a copy would make
+        its next epoch draw differently), that iterates itself: torch's own ``__iter__``, or a
+        subclass's that holds no other loader or loader iterator (Ray Train's prepared loader
+        iterates a DataLoader it holds, timm's multi-epochs loader an iterator it keeps across
+        epochs: a copy's sampler would reach neither) and whose index sampler has a length.
         """
-        return self.torch_iteration and self.map_style and not self.persistent
+        if not self.map_style or self.persistent:
+            return False
+        return self.torch_iteration or (self.dataloader_type and _iterates_itself(self.source))
 
     def length(self) -> int | None:
         """``len(source)``: its batches per epoch (or an estimate); None without a length."""
@@ -265,18 +267,44 @@ def classify(source: object) -> SourceKind:
 
 
 def held_loader(source: object) -> DataLoader[Any] | None:
-    """The one DataLoader among ``source``'s own attributes, or None (none, or several).
+    """The one DataLoader that ``source``'s ``__iter__`` iterates, or None.
 
     Asked of a plain source that is no DataLoader: a wrapper whose ``__iter__`` iterates a
     DataLoader it keeps (timm's ``PrefetchLoader``, a loader of one's own that normalises or
-    moves each batch). Only its instance attributes are looked at, nothing is called.
+    moves each batch): the one DataLoader among its instance attributes whose name its class's
+    ``__iter__`` reads (one that keeps a loader but iterates cached batches is not one). Not
+    a prefetcher (its loader is its own to iterate). Nothing is called.
     """
     try:
-        values = vars(source).values()
+        attributes = vars(source)
     except TypeError:  # no __dict__ (a list, a generator, slots)
         return None
-    found = [value for value in values if isinstance(value, DataLoader)]
+    method = inspect.getattr_static(type(source), "__iter__", None)
+    code = getattr(method, "__code__", None)
+    if code is None or "_lineage" in attributes:  # a builtin's __iter__, or a Prefetcher
+        return None
+    found = [
+        value
+        for name, value in attributes.items()
+        if isinstance(value, DataLoader) and name in code.co_names
+    ]
     return found[0] if len(found) == 1 else None
+
+
+def _iterates_itself(loader: object) -> bool:
+    """Whether a DataLoader subclass with an ``__iter__`` of its own iterates itself.
+
+    As far as can be seen without calling it: it holds no other DataLoader or loader
+    iterator among its attributes (its own ``_iterator`` aside), and its index sampler has
+    a length (an endless one repeats its passes over one iterator).
+    """
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    for name, value in vars(loader).items():
+        if name != "_iterator" and isinstance(value, (DataLoader, _BaseDataLoaderIter)):
+            return False
+    sampler = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
+    return hasattr(type(sampler), "__len__")
 
 
 def iterated_loader(source: object) -> object:
