@@ -62,6 +62,13 @@ def live_iterator(loader: object) -> object | None:
     return getattr(loader, "_iterator", None)
 
 
+def is_loader_iterator(value: object) -> bool:
+    """Whether ``value`` is an iterator of a DataLoader (torch's private base class)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    return isinstance(value, _BaseDataLoaderIter)
+
+
 def copy_loader(loader: L, **attributes: Any) -> L:
     """A shallow copy of ``loader`` with ``attributes`` (e.g. ``sampler=...``) set on it.
 

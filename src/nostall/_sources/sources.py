@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, IterDataPipe
 
 from .._clients.accelerate import is_dispatcher, is_prepared_shard, prepared_loader_types
 from .._clients.fabric import fabric_inner_loader, is_fabric_loader
+from .._torch_compat import is_loader_iterator
 
 
 class Client(enum.Enum):
@@ -298,10 +299,8 @@ def _iterates_itself(loader: object) -> bool:
     iterator among its attributes (its own ``_iterator`` aside), and its index sampler has
     a length (an endless one repeats its passes over one iterator).
     """
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
     for name, value in vars(loader).items():
-        if name != "_iterator" and isinstance(value, (DataLoader, _BaseDataLoaderIter)):
+        if name != "_iterator" and (isinstance(value, DataLoader) or is_loader_iterator(value)):
             return False
     sampler = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
     return hasattr(type(sampler), "__len__")
