@@ -1094,6 +1094,49 @@ def test_an_iterator_that_restarts_on_iter_resumes_mid_epoch(across_epochs: bool
     assert first != seen + rest
 
 
+@pytest.mark.usefixtures("fast_worker_shutdown")
+def test_a_loader_that_iterates_a_persistent_loader_it_holds_resumes_its_order() -> None:
+    """As Ray's prepared loader over a loader with persistent workers (one Ray worker).
+
+    Its own ``_iterator`` is a stale copy of its loader's: the record must read the held
+    loader's, or the resumed epoch draws its order where the workers' seed was drawn.
+    """
+
+    class Wrapping(DataLoader[Any]):
+        def __init__(self, inner: DataLoader[Any]) -> None:
+            self.__dict__.update(inner.__dict__)
+            self._inner = inner
+
+        def __iter__(self) -> Wrapping:  # type: ignore[override]
+            self._batches = iter(self._inner)
+            return self
+
+        def __next__(self) -> Any:
+            return next(self._batches)
+
+    def loader() -> Wrapping:
+        dataset = TensorDataset(torch.arange(32))
+        inner = DataLoader(
+            dataset, batch_size=4, shuffle=True, num_workers=1, persistent_workers=True
+        )
+        return Wrapping(inner)
+
+    torch.manual_seed(0)
+    p = nostall.prefetch(loader())
+    [b for b in p]
+    it = iter(p)
+    [next(it) for _ in range(3)]
+    state, rng = p.state_dict(), torch.get_rng_state()
+    rest = [b[0].tolist() for b in it]
+    p.close()
+    torch.manual_seed(0)
+    resumed = nostall.prefetch(loader())
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert rest == [b[0].tolist() for b in resumed]
+    resumed.close()
+
+
 def test_a_loader_subclass_that_iterates_itself_resumes_loading_no_skipped_sample() -> None:
     """Its ``__iter__`` goes through torch's: a copy with a skipping sampler is still exact."""
     loaded: list[int] = []

@@ -309,12 +309,14 @@ def _iterates_itself(loader: object) -> bool:
 def iterated_loader(source: object) -> object:
     """The object whose live iterator a source's epochs share: the loader a wrapper holds.
 
-    The source itself, except a plain wrapper that holds one DataLoader (see
-    :func:`held_loader`); read with ``live_iterator`` (a persistent loader's iterator).
+    The source itself, except a wrapper that holds one DataLoader its ``__iter__`` iterates
+    (see :func:`held_loader`): a plain one, or a DataLoader subclass with an ``__iter__`` of its
+    own (Ray Train's prepared loader, whose own ``_iterator`` is a stale copy of its loader's);
+    read with ``live_iterator`` (a persistent loader's iterator).
     """
-    if isinstance(source, DataLoader) or is_fabric_loader(source):
+    if is_fabric_loader(source) or isinstance(source, prepared_loader_types()):
         return source
-    if isinstance(source, prepared_loader_types()):
+    if isinstance(source, DataLoader) and type(source).__iter__ is DataLoader.__iter__:
         return source
     held = held_loader(source)
     return source if held is None else held
