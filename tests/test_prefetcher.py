@@ -1052,6 +1052,25 @@ def test_an_iterator_that_restarts_on_iter_gives_every_epoch(across_epochs: bool
     assert all(len(epoch) == 3 for epoch in plain)
 
 
+class Wrapping(DataLoader[Any]):
+    """Holds a loader and iterates it, as Ray Train's prepared loader does.
+
+    Its attributes are the held loader's, copied; it is its own iterator, re-armed by
+    ``__iter__``.
+    """
+
+    def __init__(self, inner: DataLoader[Any]) -> None:
+        self.__dict__.update(inner.__dict__)
+        self._inner = inner
+
+    def __iter__(self) -> Wrapping:  # type: ignore[override]
+        self._batches = iter(self._inner)
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+
 @pytest.mark.parametrize("across_epochs", [False, True])
 def test_an_iterator_that_restarts_on_iter_resumes_mid_epoch(across_epochs: bool) -> None:
     """Resumed mid-epoch, it gives the rest of the epoch, not the epoch's first batches again.
@@ -1059,20 +1078,6 @@ def test_an_iterator_that_restarts_on_iter_resumes_mid_epoch(across_epochs: bool
     Its ``__iter__`` iterates a loader of its own: a copy with a skipping sampler would give
     the whole epoch again (Ray Train's prepared loader did), so the batches are pulled.
     """
-
-    class Wrapping(DataLoader[Any]):
-        """Iterates the loader it holds, as Ray Train's prepared loader iterates its own."""
-
-        def __init__(self, inner: DataLoader[Any]) -> None:
-            self.__dict__.update(inner.__dict__)
-            self._inner = inner
-
-        def __iter__(self) -> Wrapping:  # type: ignore[override]
-            self._batches = iter(self._inner)
-            return self
-
-        def __next__(self) -> Any:
-            return next(self._batches)
 
     def loader() -> Wrapping:
         g = torch.Generator().manual_seed(0)
@@ -1101,18 +1106,6 @@ def test_a_loader_that_iterates_a_persistent_loader_it_holds_resumes_its_order()
     Its own ``_iterator`` is a stale copy of its loader's: the record must read the held
     loader's, or the resumed epoch draws its order where the workers' seed was drawn.
     """
-
-    class Wrapping(DataLoader[Any]):
-        def __init__(self, inner: DataLoader[Any]) -> None:
-            self.__dict__.update(inner.__dict__)
-            self._inner = inner
-
-        def __iter__(self) -> Wrapping:  # type: ignore[override]
-            self._batches = iter(self._inner)
-            return self
-
-        def __next__(self) -> Any:
-            return next(self._batches)
 
     def loader() -> Wrapping:
         dataset = TensorDataset(torch.arange(32))
