@@ -308,16 +308,12 @@ def test_a_prefetch_loader_opened_ahead_keeps_the_plain_orders_or_is_warned_of(
 # -- 5: augmentations drawn in worker processes, or one batch ahead in the main process ----------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a resume skips through the sampler without loading, so each worker process's "
-    "generators start at its seed, not after the samples it drew before the state (and a "
-    "persistent worker's seed is drawn once per run): the samples and order are exact, the "
-    "values drawn in workers are not (docs/resume.md)",
-)
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "restarted"])
 def test_a_resume_gives_worker_augmentations_the_uninterrupted_values(persistent: bool) -> None:
-    """Each sample draws in its worker (torch, random, NumPy seeded by timm's worker_init)."""
+    """Each sample draws in its worker (torch, random, NumPy seeded by timm's worker_init).
+
+    ``--no-prefetcher``: nostall wraps the DataLoader itself, and records its workers' draws.
+    """
     assert_resumed_as_uninterrupted(
         lambda: create_loader(
             Augmented(draws=True),

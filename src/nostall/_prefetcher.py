@@ -15,7 +15,13 @@ from ._engine.lineage import Lineage
 from ._engine.profile import StallRecorder, StallReport
 from ._engine.settings import Settings
 from ._epochs.epochs import EpochSource
-from ._epochs.resume import loaded_position, state_of, uncounts, with_source_draws
+from ._epochs.resume import (
+    loaded_position,
+    state_of,
+    uncounts,
+    with_source_draws,
+    with_worker_draws,
+)
 from ._exceptions import PrefetcherClosedError, ProfilingDisabledError
 from ._loader_attributes import LoaderAttributes
 from ._sources.checks import (
@@ -390,6 +396,8 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         state = state_of(lineage.at, lineage.epochs, held)
         if lineage.epochs.draws.drew and lineage.at.loaded is None:
             with_source_draws(state, lineage.epochs.draws)  # a source that draws
+        if lineage.at.loaded is None:
+            with_worker_draws(state, lineage.epochs)  # its workers' draws, where recorded
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -405,7 +413,15 @@ class Prefetcher(LoaderAttributes, Generic[T]):
         self._resolve_shard()
         at = loaded_position(state, lineage.epochs, self._staging.transform, lineage.at)
         epochs = lineage.epochs
-        warn_inexact_resume(self._source, epochs.kind, at.epoch, at.handed_out, epochs.stateful)
+        warn_inexact_resume(
+            self._source,
+            epochs.kind,
+            at.epoch,
+            at.handed_out,
+            epochs.stateful,
+            None if epochs.stateful else state["replay"],
+            epochs.records_workers(),
+        )
         active = lineage.active_iteration()
         if active is not None:
             active._stop("load_state_dict() was called on the Prefetcher")

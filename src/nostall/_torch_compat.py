@@ -5,7 +5,9 @@ automatic batching, ``_auto_collation``); ``threads=`` iterates it the same way.
 with ``persistent_workers=True`` keeps its live iterator (its worker processes) in
 the private ``_iterator`` attribute; and a DataLoader refuses ``sampler`` and ``batch_sampler``
 once built (its ``__setattr__`` checks a private flag). nostall reads the first to tell a fresh
-epoch from a resumed one, and sets samplers on a private copy of the loader (resume, sharding).
+epoch from a resumed one, and sets samplers on a private copy of the loader (resume, sharding),
+or on the loader itself while its persistent iterator is created (:func:`attributes_swapped`:
+the iterator takes its index sampler from the loader then, once).
 A worker process that died while handing a batch over can make the multi-process iterator
 re-raise a bare ``EOFError`` or ``ConnectionResetError`` from the fd-sharing connection before
 it notices the death itself; :func:`dead_workers_behind` finds that iterator (``self`` in the
@@ -81,6 +83,25 @@ def copy_loader(loader: L, **attributes: Any) -> L:
     for name, value in attributes.items():
         object.__setattr__(clone, name, value)
     return clone
+
+
+@contextlib.contextmanager
+def attributes_swapped(loader: DataLoader[Any], **attributes: Any) -> Iterator[None]:
+    """``loader`` with ``attributes`` set while the block runs, then as it was.
+
+    For the ``iter()`` that creates a persistent loader's iterator, which takes the loader's
+    ``collate_fn``, ``worker_init_fn``, index sampler and base seed (from ``generator``) once,
+    for every later epoch: nostall's live in that iterator, the user's stay on the loader.
+    ``batch_sampler`` is set past the DataLoader's check, as :func:`copy_loader` sets it.
+    """
+    before = {name: getattr(loader, name) for name in attributes}
+    try:
+        for name, value in attributes.items():
+            object.__setattr__(loader, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            object.__setattr__(loader, name, value)
 
 
 def pinning_like(loader: DataLoader[Any]) -> Callable[[Any], Any] | None:

@@ -33,9 +33,15 @@ from .._sources.generators import HandBack, Saved, set_states
 from .._sources.global_draws import DrawWatch
 from .._sources.samplers import capture_rng, epoch_marks, forward_set_epoch, sampler_epoch_of
 from .._sources.sources import Client, classify, open_epoch
+from .._sources.worker_draws import (
+    PersistentResume,
+    Restore,
+    WorkerRecord,
+    restored_states,
+)
 from .._torch_compat import live_iterator
 from .drawn_orders import DrawnOrders
-from .skip import TakenAhead, skip_ahead
+from .skip import TakenAhead, drop, skip_ahead, skip_once
 
 
 class _Start(enum.Enum):
@@ -110,6 +116,10 @@ class EpochSource:
         #: What each epoch's order was drawn from, and how the next one's is drawn.
         self.orders = DrawnOrders(self.count)
         self.resume: dict[str, Any] | None = None
+        #: The draws of the loader's worker processes, per round of batches pulled (see
+        #: :mod:`nostall._sources.worker_draws`), and the epoch being opened, for its keys.
+        self.worker_record = WorkerRecord()
+        self._opening = 0
         #: The sampler's epoch marks (:meth:`marks`) as nostall last left or saw them; marks
         #: that differ at the next epoch's start were set by someone else.
         self.left_marks = self.marks()
@@ -140,9 +150,26 @@ class EpochSource:
         """From the next epoch on, open ``source`` (a sharded copy of the same kind)."""
         self.kind = classify(source)
 
-    def _iterate(self, loader: Any, skipped: int = 0) -> Iterator[Any]:
-        """An epoch's iterator: the loader's own, or the threads' (by index, or as workers)."""
+    def records_workers(self) -> bool:
+        """Whether the draws of the source's worker processes are recorded, and resumed."""
+        return self.pool is None and self.mirror is None and self.kind.records_worker_draws
+
+    def _iterate(
+        self, loader: Any, skipped: int = 0, restored: tuple[bytes | None, ...] | None = None
+    ) -> Iterator[Any]:
+        """An epoch's iterator: the loader's own, or the threads' (by index, or as workers).
+
+        Over a loader whose workers' draws are recorded, its batches pass through the record
+        (``restored``: the states the resumed workers start at).
+        """
         if self.pool is None or self.mirror is not None:
+            kind = classify(loader) if self.mirror is None else None
+            if kind is not None and kind.records_worker_draws:
+                if kind.persistent:
+                    return self.worker_record.iterate_persistent(loader, open_epoch, self._opening)
+                return self.worker_record.iterate(
+                    loader, open_epoch, self._opening, skipped, restored
+                )
             return open_epoch(loader)
         draws = self.draws
         warn_unseeded_threads(loader, self.pool.size, self.worker_init)
@@ -296,6 +323,7 @@ class EpochSource:
         on the sampler by someone else (a framework that takes ``len()`` batches).
         """
         resume, self.resume = self.resume, None
+        self._opening = epoch
         if resume is not None and resume["epoch"] != epoch:
             resume = None
         end_of = None if resume is None or self.stateful else resume["replay"].get("end_of")
@@ -351,6 +379,7 @@ class EpochSource:
         batches draw from ``rng``, as before the state was saved; the batches after them from
         the global generators as the user's loop (its checkpoint) has them, as uninterrupted.
         """
+        self._opening = epoch
         rng = replay["rng"]
         back, drew = HandBack(rng["torch"]), False  # back(): once the order and skips drew
         source_draws, pull_draws = replay.get("source_draws"), replay.get("pull_draws")
@@ -371,7 +400,18 @@ class EpochSource:
         self.orders.opened(epoch, self.source, rng, fresh_iterator=replay["fresh_iterator"])
         try:
             fresh = live_iterator(self.source) is None
-            if self.kind.persistent and not replay["fresh_iterator"] and fresh:
+            started = given_back if skipped else _nothing
+            resumed = self._resumed_persistent(replay, started) if fresh else None
+            if resumed is not None:
+                # Its workers start as recorded, its sampler skips to their round's start.
+                it = self.worker_record.iterate_persistent(
+                    self.source,  # type: ignore[arg-type]
+                    open_epoch,
+                    epoch,
+                    resumed,
+                )
+                drop(it, skipped - resumed.start)
+            elif self.kind.persistent and not replay["fresh_iterator"] and fresh:
                 # A fresh persistent loader's first iter() also draws its workers' base seed
                 # (uninterrupted: in an earlier epoch): create it, then reset it with a second
                 # iter() to draw the order again (once it exists, one iter() resets it).
@@ -393,7 +433,14 @@ class EpochSource:
                     # PrefetchLoader): start its workers, then the wrapper's iter() resets it.
                     iter(held)
                     self.orders.restore(self.source, rng)
-                it = skip_ahead(self.iterable, skipped, self._iterate, given_back, last_pull)
+                it = skip_ahead(
+                    self.iterable,
+                    skipped,
+                    self._iterate,
+                    given_back,
+                    last_pull,
+                    self._resumed_workers(replay, skipped),
+                )
             # Pull the first batch now: a sampler may draw its order lazily at its first item
             # (where batches were skipped, the skip gave the generators back right after it).
             # A batch that raises raises at its next(), as uninterrupted: not taken for the
@@ -412,6 +459,55 @@ class EpochSource:
                 # At an epoch's start the order drew after the state was saved: left there. Else
                 # the user's (the state's may be older: an epoch's end is recorded as pulled).
                 torch.set_rng_state(back.before.torch)
+
+    def _resumed_workers(
+        self, replay: dict[str, Any], skipped: int
+    ) -> tuple[int, Callable[[Any, int], Iterator[Any]], Callable[[Any], Any]] | None:
+        """How a resume starts the workers where the state recorded them, or None.
+
+        ``(start, iterate, restore)``: the sampler skips ``start`` batches (the recorded
+        round's start), ``restore(loader)`` gives the copy that skips them workers that start
+        at the recorded states, and ``iterate`` opens it with the record continued from them.
+        """
+        recorded = replay.get("worker_draws")
+        if not skipped or recorded is None or not self.records_workers() or self.kind.persistent:
+            return None
+        states = recorded["states"]
+        if len(states) != self.source.num_workers:  # type: ignore[attr-defined]
+            return None  # warned at load_state_dict
+        restored = restored_states(states)
+
+        def iterate(loader: Any, start: int) -> Iterator[Any]:
+            return self._iterate(loader, start, restored)
+
+        def restore(loader: Any) -> Any:
+            loader.worker_init_fn = Restore(loader.worker_init_fn, states)
+            return loader
+
+        return recorded["batches"], iterate, restore
+
+    def _resumed_persistent(
+        self, replay: dict[str, Any], started: Callable[[], None]
+    ) -> PersistentResume | None:
+        """How a fresh persistent loader's workers start where the state recorded them, or None.
+
+        ``started``: called once the skipped batches' indices were drawn (see ``skip_ahead``).
+        """
+        recorded = replay.get("worker_draws")
+        if recorded is None or not self.kind.persistent or not self.records_workers():
+            return None
+        loader: Any = self.source
+        states = recorded["states"]
+        if len(states) != loader.num_workers:
+            return None  # warned at load_state_dict
+        start = recorded["batches"]
+        swaps: dict[str, Any] = {
+            "worker_init_fn": Restore(loader.worker_init_fn, states),
+            "batch_sampler": skip_once(loader.batch_sampler, start, started),
+        }
+        if not replay["fresh_iterator"]:
+            swaps["generator"] = torch.Generator()  # the base seed, drawn in an earlier epoch
+        return PersistentResume(start, restored_states(states), swaps)
 
     def state_per_batch(self, epoch: int) -> tuple[Callable[[], Any] | None, Any]:
         """How the state after each batch of ``epoch`` is had, decided once ``epoch`` is open.
@@ -477,3 +573,7 @@ class EpochSource:
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self.orders.capture(self.source)
+
+
+def _nothing() -> None:
+    """No batch skipped: the generators stay where the epoch's opening leaves them."""

@@ -178,6 +178,25 @@ def with_source_draws(state: dict[str, Any], draws: DrawWatch) -> None:
         draws.ahead_of_the_loop()
 
 
+def with_worker_draws(state: dict[str, Any], epochs: EpochSource) -> None:
+    """Add to ``state`` its round of the draws of the loader's workers, where recorded.
+
+    Inside an epoch of a loader whose workers' draws are recorded (see
+    :mod:`nostall._sources.worker_draws`), or at its start where the workers persist:
+    ``worker_draws``, the start of the round of ``num_workers`` batches the state falls in
+    and each worker's generators then.
+    """
+    replay, batches = state.get("replay"), state["batches_yielded"]
+    if not isinstance(replay, dict) or "end_of" in replay or not epochs.records_workers():
+        return
+    if not batches and not epochs.kind.persistent:
+        return  # an epoch's start: its new workers start as they did
+    workers = epochs.source.num_workers  # type: ignore[attr-defined]
+    recorded = epochs.worker_record.round_of(state["epoch"], batches, workers)
+    if recorded is not None:
+        state["replay"] = {**replay, "worker_draws": recorded}
+
+
 def loaded_position(
     state: object, epochs: EpochSource, transform: object, now: Position
 ) -> Position:
@@ -411,6 +430,7 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
         )
     _check_source_draws(replay.get("source_draws"), f"{where}['source_draws']")
     _check_source_draws(replay.get("pull_draws"), f"{where}['pull_draws']")
+    _check_worker_draws(replay.get("worker_draws"), f"{where}['worker_draws']")
     for name, value in rng.items():
         try:
             torch.Generator().set_state(value)  # the same check a real restore would make
@@ -419,6 +439,22 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
                 f"{where}['rng'][{name!r}] is not a CPU generator state ({e}); the "
                 f"checkpoint is damaged or not from Prefetcher.state_dict()"
             ) from e
+
+
+def _check_worker_draws(saved: object, where: str) -> None:
+    """Refuse a record of the workers' draws that a resume could not set."""
+    if saved is None:
+        return
+    fix = "the checkpoint is damaged or not from Prefetcher.state_dict()"
+    states = saved.get("states") if isinstance(saved, dict) else None
+    if not isinstance(saved, dict) or not isinstance(states, list | tuple) or not states:
+        raise ValueError(
+            f"{where} must be a dict with 'batches' and a list of 'states', one per worker "
+            f"({received(saved)}); {fix}"
+        )
+    _check_count(saved.get("batches"), f"{where}['batches']")
+    for worker, worker_states in enumerate(states):
+        _check_source_draws(worker_states, f"{where}['states'][{worker}]")
 
 
 def _check_source_draws(saved: object, where: str) -> None:

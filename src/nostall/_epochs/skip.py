@@ -19,15 +19,26 @@ class _SkipFirst:
     Invariant: ``started()`` is called once the items were dropped and the next one drawn
     (what the sampler draws at its start, and for those items), before that item is given:
     from there on the loader draws for the batches after the skipped ones (their samples).
+    ``once``: only the first pass that runs skips (a persistent loader's iterator keeps its
+    index sampler for every later epoch, which must be whole); later passes are the sampler's.
     """
 
-    def __init__(self, sampler: Iterable[Any], count: int, started: Callable[[], None]) -> None:
-        self.sampler, self.count, self.started = sampler, count, started
+    def __init__(
+        self, sampler: Iterable[Any], count: int, started: Callable[[], None], once: bool = False
+    ) -> None:
+        self.sampler, self.count, self.started, self.once = sampler, count, started, once
+        self.ran = False
 
     def __iter__(self) -> Iterator[Any]:
+        if self.once and self.ran:
+            return iter(self.sampler)
         return self._after(iter(self.sampler))  # iter() where the sampler's own is made
 
     def _after(self, items: Iterator[Any]) -> Iterator[Any]:
+        if self.once and self.ran:  # made before the first pass ran, run after it
+            yield from items
+            return
+        self.ran = True  # when the pass runs: torch's iterator makes one it never runs
         for _ in itertools.islice(items, self.count):
             pass
         first = list(itertools.islice(items, 1))
@@ -36,7 +47,13 @@ class _SkipFirst:
         yield from items
 
     def __len__(self) -> int:
-        return max(0, len(self.sampler) - self.count)  # type: ignore[arg-type]
+        skipped = 0 if self.once and self.ran else self.count
+        return max(0, len(self.sampler) - skipped)  # type: ignore[arg-type]
+
+
+def skip_once(sampler: Iterable[Any], count: int, started: Callable[[], None]) -> _SkipFirst:
+    """A sampler that skips ``count`` items in its first pass only (see :class:`_SkipFirst`)."""
+    return _SkipFirst(sampler, count, started, once=True)
 
 
 class TakenAhead:
@@ -72,6 +89,7 @@ def skip_ahead(
     iterate: Callable[[Any, int], Iterator[Any]] = lambda loader, skipped: open_epoch(loader),
     started: Callable[[], None] = lambda: None,
     last_pull: Callable[[], None] = lambda: None,
+    workers: tuple[int, Callable[[Any, int], Iterator[Any]], Callable[[Any], Any]] | None = None,
 ) -> Iterator[Any]:
     """An iterator over ``source`` positioned after its first ``count`` batches.
 
@@ -86,10 +104,23 @@ def skip_ahead(
     (with no batch to skip, never). Where the batches are pulled and dropped, ``last_pull()``
     is called before the last of them is pulled (its pull may take the next batch ahead, as
     timm's ``PrefetchLoader`` does: the resume sets the generators as that pull found them).
+
+    ``workers``: ``(start, iterate, restore)`` where the state recorded the draws of the
+    loader's workers (see :mod:`nostall._sources.worker_draws`): its copy skips only
+    ``start`` batches (a round's start) with ``restore`` giving it workers at the recorded
+    states, opened by that ``iterate``, and the ``count - start`` batches left are loaded and
+    dropped, so that each later batch is loaded by its uninterrupted worker.
     """
     if not count:
         started = _nothing
     kind = classify(source)
+    if workers is not None:
+        start, iterate_workers, restore = workers
+        clone = _skipping_copy(source, start, started)
+        if clone is not None:
+            it = iterate_workers(restore(clone), start)
+            drop(it, count - start)
+            return it
     clone = _skipping_copy(source, count, started)
     if clone is not None:
         return iterate(clone, count)
@@ -99,6 +130,13 @@ def skip_ahead(
         if clone is not None:
             return iterate(fabric_over(source, clone), count)
     it = iterate(source, 0)
+    drop(it, count, last_pull)
+    started()
+    return it
+
+
+def drop(it: Iterator[Any], count: int, last_pull: Callable[[], None] = lambda: None) -> None:
+    """Pull ``count`` batches from ``it`` and drop them (``last_pull()`` before the last)."""
     for pulled in range(count):
         if pulled == count - 1:
             last_pull()
@@ -108,8 +146,6 @@ def skip_ahead(
             break
         except Exception:
             continue  # a batch that raised was handed out as its error: skip it as well
-    started()
-    return it
 
 
 def _nothing() -> None:

@@ -7,6 +7,8 @@ where a resume cannot be exact. Nothing here changes what is loaded.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
@@ -16,6 +18,7 @@ from .samplers import has_unreadable_set_epoch, left_as_counted, unmark
 from .sharding import distributed_world, is_sharded, unsharded_warning
 from .sources import Client, SourceKind
 from .webdataset import shuffle_warning, unreplayable_shuffles
+from .worker_draws import draws_in_workers
 
 
 def describe(source: object) -> str:
@@ -82,13 +85,21 @@ def warn_if_hidden_from_framework(source: object, kind: SourceKind, shard: bool 
 
 
 def warn_inexact_resume(
-    source: object, kind: SourceKind, epoch: int, handed_out: int, stateful: bool
+    source: object,
+    kind: SourceKind,
+    epoch: int,
+    handed_out: int,
+    stateful: bool,
+    replay: dict[str, Any] | None = None,
+    records_workers: bool = False,
 ) -> None:
     """At ``load_state_dict``: say where a resume cannot give the uninterrupted run's batches.
 
     ``epoch`` is resumed after ``handed_out`` of its batches. A webdataset shuffle that cannot
     be drawn again is named for what it is; it then stands for the general warning about a
-    stateful loader's IterableDataset, which it explains.
+    stateful loader's IterableDataset, which it explains. ``replay``: the state's record of
+    the epoch's order (None for a stateful source); ``records_workers``: whether this
+    source's workers' draws are recorded and resumed (see ``worker_draws``).
     """
     shuffles = unreplayable_shuffles(source, epoch, handed_out)
     if shuffles:
@@ -98,6 +109,56 @@ def warn_inexact_resume(
         )
     if stateful:
         warn_inexact_stateful_resume(source, kind, iterable_dataset=not shuffles)
+    if replay is not None:
+        warn_unresumed_worker_draws(kind, replay, records_workers)
+
+
+def warn_unresumed_worker_draws(
+    kind: SourceKind, replay: dict[str, Any], records_workers: bool
+) -> None:
+    """Say where random numbers drawn in the loader's worker processes are not resumed.
+
+    Persistent workers (the loader's own, or the one a wrapper iterates) carry their draws
+    from every earlier epoch of the run, which a resumed run's new workers did not make:
+    only an epoch whose workers started with it (``fresh_iterator``) is loaded again from its
+    start as it was. Said only where the dataset's first sample, tried here, draws (or the
+    trial cannot tell: see ``draws_in_workers``), and where the state holds no record of the
+    workers' draws that this loader takes. A record that this loader cannot take (another
+    ``num_workers``) is named too.
+    """
+    persistent = kind.loader if kind.persistent else kind.held_persistent
+    resumable = records_workers and len(replay.get("worker_draws", {}).get("states", ())) == (
+        kind.workers
+    )
+    if persistent is not None and not replay.get("fresh_iterator", True) and not resumable:
+        if draws_in_workers(persistent) is False:
+            return  # its first sample draws nothing: nothing to resume
+        warn(
+            "nostall: this loader keeps its worker processes across epochs "
+            "(persistent_workers=True), and the random numbers its dataset or collate_fn "
+            "draws there (augmentations) follow from every batch those workers loaded since "
+            "the run began, which this run's new workers did not load: the batches after "
+            "this state hold the same samples in the same order, with other random values "
+            "wherever the workers draw. For the values of an uninterrupted run, build the "
+            "loader with persistent_workers=False (timm: create_loader(..., "
+            "persistent_workers=False)); nostall then resumes its workers' draws",
+            UserWarning,
+        )
+        return
+    recorded = replay.get("worker_draws")
+    if recorded is None:
+        return
+    saved, here = len(recorded["states"]), kind.workers
+    if not records_workers or saved != here:
+        warn(
+            f"nostall: this state recorded the random numbers drawn in {saved} worker "
+            f"processes, but this loader has num_workers={here}"
+            f"{', persistent' if kind.persistent else ''}: the batches after the state "
+            f"hold the same samples in the same order, with other random values wherever "
+            f"the workers draw. For the values of an uninterrupted run, build the loader as "
+            f"it was saved (num_workers={saved}, persistent_workers=False)",
+            UserWarning,
+        )
 
 
 def warn_inexact_stateful_resume(

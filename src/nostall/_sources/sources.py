@@ -176,6 +176,24 @@ class SourceKind:
             return False
         return self.torch_iteration or (self.dataloader_type and _iterates_itself(self.source))
 
+    @property
+    def records_worker_draws(self) -> bool:
+        """Whether the draws of the loader's worker processes are recorded, and resumed.
+
+        A ``DataLoader`` with workers, iterated by torch's own ``__iter__`` over a map-style
+        dataset, whose workers take its batches in turn (``in_order``, batches of indices):
+        see :mod:`nostall._sources.worker_draws`.
+        """
+        loader = self.loader
+        return (
+            loader is not None
+            and self.torch_iteration
+            and self.map_style
+            and self.workers > 0
+            and loader.batch_sampler is not None
+            and bool(getattr(loader, "in_order", True))
+        )
+
     def length(self) -> int | None:
         """``len(source)``: its batches per epoch (or an estimate); None without a length."""
         try:
