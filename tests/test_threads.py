@@ -189,7 +189,9 @@ def test_a_resumed_epoch_gets_its_room_and_its_place() -> None:
     with unwatched():  # known to draw nothing: no batch is loaded in step (test_global_draws)
         epochs = EpochSource(loader, False, threads=2)
     epochs.room = lambda: 3
-    resumed = skip_ahead(loader, 2, epochs._iterate)
+    resumed = skip_ahead(
+        loader, 2, lambda loader, skipped: epochs._iterate(loader, skipped, epoch=0)
+    )
     assert isinstance(resumed, ThreadedEpoch)
     assert (2, 3) == (resumed.batch, resumed.room())
     assert [4, 5] == next(resumed).tolist()

@@ -117,9 +117,8 @@ class EpochSource:
         self.orders = DrawnOrders(self.count)
         self.resume: dict[str, Any] | None = None
         #: The draws of the loader's worker processes, per round of batches pulled (see
-        #: :mod:`nostall._sources.worker_draws`), and the epoch being opened, for its keys.
+        #: :mod:`nostall._sources.worker_draws`).
         self.worker_record = WorkerRecord()
-        self._opening = 0
         #: The sampler's epoch marks (:meth:`marks`) as nostall last left or saw them; marks
         #: that differ at the next epoch's start were set by someone else.
         self.left_marks = self.marks()
@@ -155,9 +154,14 @@ class EpochSource:
         return self.pool is None and self.mirror is None and self.kind.records_worker_draws
 
     def _iterate(
-        self, loader: Any, skipped: int = 0, restored: tuple[bytes | None, ...] | None = None
+        self,
+        loader: Any,
+        skipped: int = 0,
+        restored: tuple[bytes | None, ...] | None = None,
+        *,
+        epoch: int,
     ) -> Iterator[Any]:
-        """An epoch's iterator: the loader's own, or the threads' (by index, or as workers).
+        """Epoch ``epoch``'s iterator: the loader's own, or the threads' (by index, or as workers).
 
         Over a loader whose workers' draws are recorded, its batches pass through the record
         (``restored``: the states the resumed workers start at).
@@ -166,10 +170,8 @@ class EpochSource:
             kind = classify(loader) if self.mirror is None else None
             if kind is not None and kind.records_worker_draws:
                 if kind.persistent:
-                    return self.worker_record.iterate_persistent(loader, open_epoch, self._opening)
-                return self.worker_record.iterate(
-                    loader, open_epoch, self._opening, skipped, restored
-                )
+                    return self.worker_record.iterate_persistent(loader, open_epoch, epoch)
+                return self.worker_record.iterate(loader, open_epoch, epoch, skipped, restored)
             return open_epoch(loader)
         draws = self.draws
         warn_unseeded_threads(loader, self.pool.size, self.worker_init)
@@ -323,7 +325,6 @@ class EpochSource:
         on the sampler by someone else (a framework that takes ``len()`` batches).
         """
         resume, self.resume = self.resume, None
-        self._opening = epoch
         if resume is not None and resume["epoch"] != epoch:
             resume = None
         end_of = None if resume is None or self.stateful else resume["replay"].get("end_of")
@@ -339,10 +340,10 @@ class EpochSource:
         if self.stateful:
             if resume is not None and resume["source_state"] is not None:
                 self.source.load_state_dict(resume["source_state"])  # type: ignore[attr-defined]
-            return self._iterate(self.iterable), skipped
+            return self._iterate(self.iterable, epoch=epoch), skipped
         if resume is None:
             self.orders.opened(epoch, self.source)
-            return self._iterate(self.iterable), 0
+            return self._iterate(self.iterable, epoch=epoch), 0
         replay = resume["replay"]
         if replay["sampler_epoch"] is not None:
             forward_set_epoch(self.iterable, replay["sampler_epoch"])
@@ -379,7 +380,6 @@ class EpochSource:
         batches draw from ``rng``, as before the state was saved; the batches after them from
         the global generators as the user's loop (its checkpoint) has them, as uninterrupted.
         """
-        self._opening = epoch
         rng = replay["rng"]
         back, drew = HandBack(rng["torch"]), False  # back(): once the order and skips drew
         source_draws, pull_draws = replay.get("source_draws"), replay.get("pull_draws")
@@ -436,10 +436,10 @@ class EpochSource:
                 it = skip_ahead(
                     self.iterable,
                     skipped,
-                    self._iterate,
+                    lambda loader, skipped: self._iterate(loader, skipped, epoch=epoch),
                     given_back,
                     last_pull,
-                    self._resumed_workers(replay, skipped),
+                    self._resumed_workers(replay, skipped, epoch),
                 )
             # Pull the first batch now: a sampler may draw its order lazily at its first item
             # (where batches were skipped, the skip gave the generators back right after it).
@@ -461,7 +461,7 @@ class EpochSource:
                 torch.set_rng_state(back.before.torch)
 
     def _resumed_workers(
-        self, replay: dict[str, Any], skipped: int
+        self, replay: dict[str, Any], skipped: int, epoch: int
     ) -> tuple[int, Callable[[Any, int], Iterator[Any]], Callable[[Any], Any]] | None:
         """How a resume starts the workers where the state recorded them, or None.
 
@@ -478,7 +478,7 @@ class EpochSource:
         restored = restored_states(states)
 
         def iterate(loader: Any, start: int) -> Iterator[Any]:
-            return self._iterate(loader, start, restored)
+            return self._iterate(loader, start, restored, epoch=epoch)
 
         def restore(loader: Any) -> Any:
             loader.worker_init_fn = Restore(loader.worker_init_fn, states)

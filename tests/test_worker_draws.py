@@ -1,0 +1,287 @@
+"""Random numbers drawn in a DataLoader's workers: recorded with each batch, resumed exactly."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import nostall
+from nostall._sources import worker_draws
+from nostall._torch_compat import live_iterator
+
+#: Three workers on a machine with fewer cores: torch's advice, not the test's concern.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+#: Samples per epoch and per batch: 6 batches an epoch, enough for two rounds of 3 workers.
+SAMPLES, BATCH, EPOCHS = 12, 2, 3
+
+Checkpoint = tuple[dict[str, Any], tuple[Any, ...]]
+#: (epoch, a batch's values, or the message of its error) for each batch, in order.
+Batches = list[tuple[int, Any]]
+
+
+class Drawing(Dataset[torch.Tensor]):
+    """Each sample: its index and one draw each from torch, ``random`` and NumPy (a crop, a flip).
+
+    ``fails``: the sample that raises (a damaged file), as a ``ValueError``.
+    """
+
+    def __init__(self, draws: bool = True, fails: int | None = None) -> None:
+        self.draws, self.fails = draws, fails
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.fails:
+            raise ValueError(f"sample {i} is damaged")
+        if not self.draws:
+            return torch.tensor([float(i), 0.0, 0.0, 0.0])
+        return torch.tensor(
+            [float(i), torch.rand(()).item(), random.random(), float(np.random.rand())]
+        )
+
+
+def numpy_seeded(worker_id: int) -> None:
+    """NumPy seeded per worker, as timm's and many training scripts' ``worker_init_fn`` do."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    assert info.id == worker_id
+    np.random.seed(info.seed % 2**32)
+
+
+def loader(
+    workers: int = 2, persistent: bool = False, dataset: Dataset[Any] | None = None
+) -> DataLoader[torch.Tensor]:
+    return DataLoader(
+        Drawing() if dataset is None else dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=persistent,
+        worker_init_fn=numpy_seeded,
+    )
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def global_states() -> tuple[Any, ...]:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def set_global_states(states: tuple[Any, ...]) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+
+
+def epoch_batches(batches: Iterator[Any]) -> Iterator[Any]:
+    """An epoch's batches, with a batch's error in its place (the loop goes on after it)."""
+    while True:
+        try:
+            yield next(batches)
+        except StopIteration:
+            return
+        except ValueError as e:
+            yield str(e)
+
+
+def run(
+    batches: nostall.Prefetcher[Any],
+    epochs: range,
+    save_at: tuple[int, int] | None = None,
+) -> tuple[Batches, Checkpoint | None]:
+    """The loop: each epoch set, each batch recorded; a checkpoint after batch ``save_at[1]``.
+
+    ``save_at[1] == -1``: at the epoch's start, once its epoch is set.
+    """
+    seen: Batches = []
+    saved = None
+    for epoch in epochs:
+        batches.set_epoch(epoch)
+        if save_at == (epoch, -1):
+            saved = (batches.state_dict(), global_states())
+        for i, batch in enumerate(epoch_batches(iter(batches))):
+            seen.append((epoch, batch if isinstance(batch, str) else batch.tolist()))
+            if (epoch, i) == save_at:
+                saved = (batches.state_dict(), global_states())
+    return seen, saved
+
+
+def resumed(
+    make: Callable[[], DataLoader[Any]], saved: Checkpoint, **options: Any
+) -> tuple[nostall.Prefetcher[Any], int]:
+    """A fresh loader and prefetcher, restored from ``saved`` as a training script does."""
+    seed_all(99)  # another start: the checkpoint decides
+    batches = nostall.prefetch(make(), "cpu", **options)
+    batches.load_state_dict(copy.deepcopy(saved[0]))
+    set_global_states(saved[1])
+    return batches, batches.epoch
+
+
+def assert_resumes_exactly(
+    make: Callable[[], DataLoader[Any]], save_at: tuple[int, int], **options: Any
+) -> None:
+    """Uninterrupted (equal to the plain loop), then resumed from ``save_at``: the same batches."""
+    seed_all(0)
+    plain: Batches = []
+    source = make()
+    for epoch in range(EPOCHS):
+        plain += [
+            (epoch, b if isinstance(b, str) else b.tolist()) for b in epoch_batches(iter(source))
+        ]
+    seed_all(0)
+    with nostall.prefetch(make(), "cpu", **options) as batches:
+        uninterrupted, saved = run(batches, range(EPOCHS), save_at)
+    assert plain == uninterrupted, "nostall's uninterrupted run differs from the plain loop"
+    assert saved is not None
+    batches, epoch = resumed(make, saved, **options)
+    with batches:
+        rest, _ = run(batches, range(epoch, EPOCHS))
+    expected = uninterrupted[len(uninterrupted) - len(rest) :]
+    position = sum(1 for e, _ in uninterrupted if e < save_at[0]) + save_at[1] + 1
+    assert len(uninterrupted) - position == len(rest), "the resumed run has another count"
+    assert expected == rest, "the resumed run's batches hold other random values"
+
+
+@pytest.mark.parametrize(
+    ("workers", "save_at"),
+    [(2, (0, 2)), (2, (1, 3)), (3, (1, 4)), (3, (2, 0))],
+    ids=["2-inside-a-round", "2-at-a-round", "3-inside-a-round", "3-first-batch"],
+)
+def test_a_resume_with_restarted_workers_draws_as_uninterrupted(
+    workers: int, save_at: tuple[int, int]
+) -> None:
+    """The workers start each epoch anew: the state's round, and the batches left in it."""
+    assert_resumes_exactly(lambda: loader(workers), save_at)
+
+
+@pytest.mark.parametrize(
+    ("workers", "save_at", "options"),
+    [
+        (2, (0, 2), {}),
+        (2, (1, 3), {}),
+        (3, (1, -1), {}),
+        (3, (2, 4), {"across_epochs": True}),
+    ],
+    ids=["first-epoch", "later-epoch", "epoch-start", "across-epochs"],
+)
+def test_a_resume_with_persistent_workers_draws_as_uninterrupted(
+    workers: int, save_at: tuple[int, int], options: dict[str, Any]
+) -> None:
+    """The workers keep their draws from epoch to epoch: a resumed run's start where they were."""
+    assert_resumes_exactly(lambda: loader(workers, persistent=True), save_at, **options)
+
+
+def test_a_resume_after_a_batch_that_raised_in_a_worker_draws_as_uninterrupted() -> None:
+    """A batch's error is a batch handed out: the rounds after it are counted as the loader's.
+
+    (Workers started each epoch: torch takes about 10 s to shut down persistent workers after
+    one of them raised, with nostall as without it.)
+    """
+    assert_resumes_exactly(lambda: loader(2, dataset=Drawing(fails=5)), (1, 4))
+
+
+def test_without_the_restore_a_resume_draws_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The canary: resumed workers left at their seeds make the golden check fail."""
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("the patched class reaches the workers only where they are forked")
+
+    def seeds_only(self: worker_draws.Restore, worker_id: int) -> None:
+        if self.init is not None:
+            self.init(worker_id)
+
+    monkeypatch.setattr(worker_draws.Restore, "__call__", seeds_only)
+    with pytest.raises(AssertionError, match="other random values"):
+        assert_resumes_exactly(lambda: loader(2), (1, 3))
+
+
+def test_the_loader_keeps_its_own_attributes() -> None:
+    """nostall's collate_fn and samplers live in the workers' iterator only, not on the loader."""
+    source = loader(2, persistent=True)
+    before = {
+        name: getattr(source, name)
+        for name in ("collate_fn", "worker_init_fn", "batch_sampler", "sampler", "generator")
+    }
+    with nostall.prefetch(source, "cpu") as batches:
+        list(batches)
+        saved = batches.state_dict()
+        assert live_iterator(source) is not None  # the loader's own workers, kept across epochs
+        assert before == {name: getattr(source, name) for name in before}
+    again = loader(2, persistent=True)
+    kept = {name: getattr(again, name) for name in before}
+    with nostall.prefetch(again, "cpu") as batches:
+        batches.load_state_dict(saved)
+        next(iter(batches))
+        assert kept == {name: getattr(again, name) for name in before}
+        assert all(isinstance(b, torch.Tensor) for b in batches)  # no stamp reaches the loop
+
+
+def test_a_state_from_another_worker_count_is_warned_of_at_load() -> None:
+    """Its workers' draws cannot be set on other workers: the fix is the count it was saved with."""
+    seed_all(0)
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        _, saved = run(batches, range(1), (0, 2))
+    assert saved is not None
+    with (
+        nostall.prefetch(loader(3), "cpu") as batches,
+        pytest.warns(UserWarning, match=r"2 worker processes.*num_workers=3") as caught,
+    ):
+        batches.load_state_dict(saved[0])
+    assert [w.filename for w in caught] == [__file__]
+
+
+@pytest.mark.parametrize("draws", [True, False], ids=["draws", "draws-nothing"])
+def test_a_wrapper_over_persistent_workers_is_warned_of_where_they_draw(draws: bool) -> None:
+    """A loader that a wrapper iterates is not nostall's to record: said at load, with the fix."""
+
+    class Wrapper:
+        def __init__(self, loader: DataLoader[Any]) -> None:
+            self.loader = loader
+
+        def __iter__(self) -> Iterator[Any]:
+            yield from self.loader
+
+        def __len__(self) -> int:
+            return len(self.loader)
+
+    def make() -> Wrapper:
+        return Wrapper(loader(2, persistent=True, dataset=Drawing(draws=draws)))
+
+    seed_all(0)
+    with nostall.prefetch(make(), "cpu") as batches:
+        _, saved = run(batches, range(2), (1, 2))
+    assert saved is not None
+    with nostall.prefetch(make(), "cpu") as batches, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches.load_state_dict(saved[0])
+    said = [w for w in caught if "persistent_workers=False" in str(w.message)]
+    assert [w.filename for w in said] == ([__file__] if draws else [])
+
+
+def test_a_damaged_record_of_the_workers_is_refused_at_load() -> None:
+    """A worker's states that could not be set are named, field and worker."""
+    seed_all(0)
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        _, saved = run(batches, range(1), (0, 2))
+    assert saved is not None
+    state = copy.deepcopy(saved[0])
+    state["replay"]["worker_draws"]["states"][1] = {"torch": torch.zeros(3)}
+    with (
+        nostall.prefetch(loader(2), "cpu") as batches,
+        pytest.raises(ValueError, match=r"\['worker_draws'\]\['states'\]\[1\]"),
+    ):
+        batches.load_state_dict(state)
