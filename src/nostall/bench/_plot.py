@@ -55,28 +55,36 @@ def draw(result: BenchResult) -> Any:
     import matplotlib.pyplot as plt
 
     panels = [p for p in _PANELS if result.contenders(p[0])]
-    fig, axes = plt.subplots(
-        1, max(1, len(panels)), figsize=(6.5 * max(1, len(panels)), 5.5), squeeze=False
+    # Two panels side by side; three or four in two rows, so that each stays readable on a page.
+    columns = min(2, max(1, len(panels)))
+    rows = max(1, -(-len(panels) // columns))
+    fig, grid = plt.subplots(
+        rows, columns, figsize=(7.0 * columns, 4.6 * rows + 1.2), squeeze=False
     )
+    axes = list(grid.flat)
     names = list(dict.fromkeys(n for p in panels for n in result.contenders(p[0])))
     style = styles(names)
-    for ax, (_, panel) in zip(axes[0], panels, strict=False):
+    for ax, (_, panel) in zip(axes, panels, strict=False):
         panel(ax, result, style)
         ax.grid(alpha=0.3)
+    used = max(1, len(panels))
+    for ax in axes[used:]:
+        fig.delaxes(ax)  # three panels: the fourth place stays empty
+    axes = axes[:used]
     handles: dict[str, Any] = {}  # the first panel's handle of each: a line with its marker
-    for ax in axes[0]:
+    for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=9)
     m = result.machine
     start = result.load_average.get("start", [0.0])[0]
     end = result.load_average.get("end", [0.0])[0]
     fig.suptitle(
-        f"nostall bench: {m['device']}, {m['cores']} cores, torch {m['torch']}; load average "
+        f"nostall bench: {m['device']}, {m['cores']} cores, torch {m['torch']}\nload average "
         f"{start:.2f} at the start, {end:.2f} at the end; median of {result.config.repeats} "
-        "repeats, bars min-max"
+        "repeats, bars from the lowest to the highest"
     )
-    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    fig.tight_layout(rect=(0, 1.1 / (4.6 * rows + 1.2), 1, 0.94))
     return fig
 
 
@@ -140,8 +148,8 @@ def _regime(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> N
     setting = result.settings("gpu regime")[0]
     _bars(ax, _stats(result, "gpu regime", setting, "efficiency"), style)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("E = epoch time / (batches x device time); 1 is the device-bound limit")
-    ax.set_title(f"GPU regime ({setting} device time per step): E")
+    ax.set_xlabel("epoch time over the GPU's own time (1: the GPU never waited for data)")
+    ax.set_title(f"a {setting} GPU step: how long each epoch took")
 
 
 _PANELS = (
