@@ -75,7 +75,7 @@ def test_the_report_leads_with_the_gpu_regime_table() -> None:
 def test_the_closest_to_the_limit_is_named_only_when_clear() -> None:
     """A clear lead is named with its E; overlapping spreads are tied."""
     clear = conclusion(bench_result(regime({"serial DataLoader": [2.5, 2.6], "nostall": [1.0]})))
-    assert "nostall came closest to the limit, E = 1.00 (n=1)." in clear[0]
+    assert "nostall came closest to the limit: its epochs took 1.00 (n=1) times" in clear[0]
     tied = regime({"best-practice DataLoader": [1.05, 1.2], "nostall threads=2": [1.1, 1.3]})
     assert "tied within the spread" in conclusion(bench_result(tied))[0]
 

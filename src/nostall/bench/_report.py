@@ -84,7 +84,7 @@ def format_report(result: BenchResult, width: int = 150) -> str:
 REGIME = "gpu regime"
 #: The GPU-regime table's columns: metric, heading, format.
 _REGIME_COLUMNS = (
-    ("efficiency", "E", ".2f"),
+    ("efficiency", "x device time", ".2f"),
     ("samples_per_s", "samples/s", ",.0f"),
     ("stall", "waiting", ".0%"),
     ("first_batch_ms", "first batch ms", ",.0f"),
@@ -94,13 +94,13 @@ _REGIME_COLUMNS = (
 
 
 def _regime_table(console: Console, result: BenchResult) -> None:
-    """The headline: each contender's E and what it costs, where the step waits for a device."""
+    """The headline: each contender's epoch time over the device's, where the step waits for it."""
     for setting in result.settings(REGIME):
         alone = result.stat("step", REGIME, "launch alone", "ms")
         table = Table(
             title=f"GPU regime, JPEG loading: each step launches ({figure(alone, '.1f')} ms "
             f"alone), then waits without the GIL until {setting} of device time has passed; "
-            "E = epoch time / (batches x device time), 1 at the device-bound limit"
+            "each epoch's time over the device's own time: 1 where the device never waited"
         )
         table.add_column("contender")
         for _, head, _ in _REGIME_COLUMNS:
@@ -183,14 +183,18 @@ def _regime_findings(result: BenchResult) -> list[str]:
         where = f"In the GPU regime ({setting} of device time per step)"
         if len(top) == 1:
             out.append(
-                f"{where} {top[0]} came closest to the limit, E = {figure(e[top[0]], '.2f')}."
+                f"{where} {top[0]} came closest to the limit: its epochs took "
+                f"{figure(e[top[0]], '.2f')} times the device's own time."
             )
         else:
             out.append(f"{where} {_list(top)} came closest to the limit, tied within the spread.")
         ours = [n for n in e if n.startswith(NOSTALL)]
         if ours:
             best = min(ours, key=lambda n: e[n].median)
-            out.append(f"nostall's best setting there was {best}: E = {figure(e[best], '.2f')}.")
+            out.append(
+                f"nostall's best setting there was {best}: its epochs took "
+                f"{figure(e[best], '.2f')} times the device's own time."
+            )
         slow = {
             n: s
             for n in result.contenders(REGIME)
