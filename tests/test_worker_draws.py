@@ -285,3 +285,115 @@ def test_a_damaged_record_of_the_workers_is_refused_at_load() -> None:
         pytest.raises(ValueError, match=r"\['worker_draws'\]\['states'\]\[1\]"),
     ):
         batches.load_state_dict(state)
+
+
+def test_a_state_after_an_epochs_last_batch_resumes_persistent_workers() -> None:
+    """Saved after the last batch, the end not asked for: the next epoch, as uninterrupted."""
+    assert_resumes_exactly(lambda: loader(2, persistent=True), (1, SAMPLES // BATCH - 1))
+
+
+@pytest.mark.parametrize("save_at", [(1, 0), (1, 2)], ids=["first-round", "second-round"])
+def test_an_epoch_left_early_is_resumed_exactly_or_warned_of(save_at: tuple[int, int]) -> None:
+    """Each epoch left after 3 batches (a ``break``): the workers drew for batches never taken.
+
+    The epoch after it cannot be known in its first round (a state there is warned of at
+    ``load_state_dict``); from its second round on, each worker's states come with its batch.
+    """
+    taken = 3
+
+    def run_short(
+        batches: nostall.Prefetcher[Any], epochs: range, done: int = 0
+    ) -> tuple[Batches, Any]:
+        """Each epoch ``taken`` batches (the first, less the ``done`` ones of a resumed epoch)."""
+        seen: Batches = []
+        saved = None
+        for epoch in epochs:
+            batches.set_epoch(epoch)
+            for i, batch in enumerate(batches, done if epoch == epochs[0] else 0):
+                if i >= taken:
+                    break
+                seen.append((epoch, batch.tolist()))
+                if (epoch, i) == save_at:
+                    saved = (batches.state_dict(), global_states())
+        return seen, saved
+
+    seed_all(0)
+    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
+        uninterrupted, saved = run_short(batches, range(EPOCHS))
+    assert saved is not None
+    seed_all(99)
+    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches.load_state_dict(copy.deepcopy(saved[0]))
+        set_global_states(saved[1])
+        rest, _ = run_short(batches, range(batches.epoch, EPOCHS), save_at[1] + 1)
+    warned = [w for w in caught if "persistent_workers=False" in str(w.message)]
+    expected = uninterrupted[len(uninterrupted) - len(rest) :]
+    if save_at[1] < 2:
+        assert [w.filename for w in warned] == [__file__], "a first round after a break: warned"
+    else:
+        assert not warned
+        assert expected == rest, "the resumed run's batches hold other random values"
+
+
+def test_a_prefetcher_per_epoch_over_one_persistent_loader_gives_its_batches() -> None:
+    """Each epoch through a new prefetcher: the loader's batches, as a plain loop over it gets."""
+    seed_all(0)
+    source = loader(2, persistent=True)
+    plain = [b.tolist() for _ in range(EPOCHS) for b in source]
+    seed_all(0)
+    source = loader(2, persistent=True)
+    through = []
+    for epoch in range(EPOCHS):
+        with nostall.prefetch(source, "cpu") as batches:
+            batches.set_epoch(epoch)
+            through += [b.tolist() for b in batches]
+    assert plain == through
+
+
+def test_the_loader_itself_gives_its_own_batches_after_nostall() -> None:
+    """Once nostall's epoch ended or its prefetcher closed, a loop over the loader is plain."""
+    source = loader(2, persistent=True)
+    batches = nostall.prefetch(source, "cpu")
+    list(batches)  # an epoch to its end: the workers stop stamping
+    assert all(type(b) is torch.Tensor for b in source)
+    next(iter(batches))  # an epoch left early ...
+    batches.close()  # ... and the prefetcher closed
+    assert all(type(b) is torch.Tensor for b in source)
+
+
+def test_a_state_loaded_into_the_prefetcher_that_saved_it_resumes_exactly() -> None:
+    """Its persistent workers drew past the state: new ones start at the state's."""
+    seed_all(0)
+    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
+        uninterrupted, saved = run(batches, range(EPOCHS), (1, 3))
+        assert saved is not None
+        batches.load_state_dict(copy.deepcopy(saved[0]))
+        set_global_states(saved[1])
+        rest, _ = run(batches, range(batches.epoch, EPOCHS))
+    assert uninterrupted[len(uninterrupted) - len(rest) :] == rest
+
+
+def test_the_record_keeps_only_what_a_state_can_ask_for() -> None:
+    """Rounds behind the producer's look-ahead are dropped (each holds every worker's states)."""
+    many = DataLoader(Drawing(), batch_size=1, num_workers=2, worker_init_fn=numpy_seeded)
+    with nostall.prefetch(many, "cpu", depth=2) as batches:
+        list(batches)
+        record = batches._lineage.epochs.worker_record
+        assert len(record._rounds) <= (2 + 8) // 2 + 5
+
+
+def test_a_record_that_does_not_start_its_round_is_refused() -> None:
+    """A record whose round does not hold the batches handed out could not be resumed."""
+    seed_all(0)
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        _, saved = run(batches, range(1), (0, 2))
+    assert saved is not None
+    state = copy.deepcopy(saved[0])
+    state["replay"]["worker_draws"]["batches"] = 0
+    with (
+        nostall.prefetch(loader(2), "cpu") as batches,
+        pytest.raises(ValueError, match=r"\['worker_draws'\]\['batches'\] is 0"),
+    ):
+        batches.load_state_dict(state)

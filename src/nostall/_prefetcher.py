@@ -10,6 +10,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from . import _arguments as check
 from ._device import DeviceLike, resolve_data_device
+from ._engine.autodepth import most_in_flight
 from ._engine.iteration import REPLACED, PrefetchIterator
 from ._engine.lineage import Lineage
 from ._engine.profile import StallRecorder, StallReport
@@ -197,6 +198,8 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             self._staging.source_context,
             transform=transform is not None,
             timeout=timeout,
+            # A few more than in flight: a batch taken ahead on a resume, Lightning's look-ahead.
+            ahead=most_in_flight(depth) + 8,
         )
         refuse_unsupported(epochs.kind, across_epochs)
         self._lineage = Lineage(epochs, self._staging.transform_state())

@@ -64,6 +64,15 @@ def live_iterator(loader: object) -> object | None:
     return getattr(loader, "_iterator", None)
 
 
+def forget_iterator(loader: DataLoader[Any]) -> None:
+    """Drop a persistent loader's live iterator: its next ``iter()`` starts new workers.
+
+    As Lightning does once it shut them down (the old workers stop when the iterator is
+    collected).
+    """
+    loader._iterator = None
+
+
 def is_loader_iterator(value: object) -> bool:
     """Whether ``value`` is an iterator of a DataLoader (torch's private base class)."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter

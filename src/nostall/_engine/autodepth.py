@@ -23,6 +23,11 @@ MAX_DEPTH = 64
 MEMORY_SHARE = 0.1
 
 
+def most_in_flight(depth: int | str) -> int:
+    """The most batches a prefetcher of ``depth`` (an int, or ``"auto"``) holds in flight."""
+    return MAX_DEPTH if depth == "auto" else int(depth)
+
+
 def batch_nbytes(batch: Any) -> int:
     """Bytes of every tensor in ``batch`` (nested containers and objects included)."""
     return sum(t.numel() * t.element_size() for t in iter_tensors(batch))

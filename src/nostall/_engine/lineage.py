@@ -324,6 +324,7 @@ class Lineage:
         self.discard_ahead()
         self.producer.join_at_close()
         self._carried = None
+        self.epochs.worker_record.release()  # a loop over the loader itself gets its batches
 
     @staticmethod
     def owner_gone(lineage: Lineage) -> None:
@@ -332,3 +333,4 @@ class Lineage:
         active = lineage.active_iteration()
         if active is None or not active.running:
             lineage.discard_ahead(wait=False)  # a finaliser must not block
+            lineage.epochs.worker_record.release()

@@ -41,7 +41,7 @@ from .._sources.worker_draws import (
 )
 from .._torch_compat import live_iterator
 from .drawn_orders import DrawnOrders
-from .skip import TakenAhead, drop, skip_ahead, skip_once
+from .skip import TakenAhead, drop, nothing, skip_ahead, skip_once
 
 
 class _Start(enum.Enum):
@@ -75,6 +75,7 @@ class EpochSource:
         *,
         transform: bool = False,
         timeout: float | None = None,
+        ahead: int = 64,
     ) -> None:
         #: What the source is, and the source itself (:mod:`nostall._sources.sources`).
         self.kind = classify(source)
@@ -117,8 +118,8 @@ class EpochSource:
         self.orders = DrawnOrders(self.count)
         self.resume: dict[str, Any] | None = None
         #: The draws of the loader's worker processes, per round of batches pulled (see
-        #: :mod:`nostall._sources.worker_draws`).
-        self.worker_record = WorkerRecord()
+        #: :mod:`nostall._sources.worker_draws`), kept as far back as the producer runs ahead.
+        self.worker_record = WorkerRecord(ahead)
         #: The sampler's epoch marks (:meth:`marks`) as nostall last left or saw them; marks
         #: that differ at the next epoch's start were set by someone else.
         self.left_marks = self.marks()
@@ -400,8 +401,12 @@ class EpochSource:
         self.orders.opened(epoch, self.source, rng, fresh_iterator=replay["fresh_iterator"])
         try:
             fresh = live_iterator(self.source) is None
-            started = given_back if skipped else _nothing
-            resumed = self._resumed_persistent(replay, started) if fresh else None
+            started = given_back if skipped else nothing
+            resumed = self._resumed_persistent(replay, started)
+            if resumed is not None and not fresh:
+                # This prefetcher's own workers drew past the state: new ones, at its states.
+                fresh = self.worker_record.forget_workers(self.source)  # type: ignore[arg-type]
+                resumed = resumed if fresh else None
             if resumed is not None:
                 # Its workers start as recorded, its sampler skips to their round's start.
                 it = self.worker_record.iterate_persistent(
@@ -573,7 +578,3 @@ class EpochSource:
         if self.stateful:
             return self.iterable.state_dict()  # type: ignore[attr-defined]
         return self.orders.capture(self.source)
-
-
-def _nothing() -> None:
-    """No batch skipped: the generators stay where the epoch's opening leaves them."""

@@ -187,12 +187,22 @@ def with_worker_draws(state: dict[str, Any], epochs: EpochSource) -> None:
     and each worker's generators then.
     """
     replay, batches = state.get("replay"), state["batches_yielded"]
-    if not isinstance(replay, dict) or "end_of" in replay or not epochs.records_workers():
+    if not isinstance(replay, dict) or not epochs.records_workers():
         return
-    if not batches and not epochs.kind.persistent:
-        return  # an epoch's start: its new workers start as they did
+    persistent = epochs.kind.persistent
     workers = epochs.source.num_workers  # type: ignore[attr-defined]
-    recorded = epochs.worker_record.round_of(state["epoch"], batches, workers)
+    record = epochs.worker_record
+    end_of = replay.get("end_of")
+    if end_of is not None:
+        # After an epoch's last batch, its end not asked for: a resume loads the ended epoch's
+        # last round again to ask for it; persistent workers then go on from there.
+        ended = record.round_of(state["epoch"] - 1, end_of["batches"], workers)
+        if persistent and ended is not None:
+            state["replay"] = {**replay, "end_of": {**end_of, "worker_draws": ended}}
+        return
+    if not batches and not persistent:
+        return  # an epoch's start: its new workers start as they did
+    recorded = record.round_of(state["epoch"], batches, workers)
     if recorded is not None:
         state["replay"] = {**replay, "worker_draws": recorded}
 
@@ -298,7 +308,7 @@ def check_state(state: object, epochs: EpochSource) -> dict[str, Any]:
         )
     if state["batches_yielded"] > 0 or replay.get("end_of") is not None:
         _check_readers(replay, epochs)  # from an epoch's start nothing is skipped: any count
-    _check_replay(replay, "state['replay']")
+    _check_replay(replay, "state['replay']", state["batches_yielded"])
     return state
 
 
@@ -392,8 +402,12 @@ def _check_stateful_dataloader(saved: object, source: object) -> None:
         )
 
 
-def _check_replay(replay: dict[str, Any], where: str) -> None:
-    """The replay record at ``where`` (``state['replay']``, or its ``['end_of']``)."""
+def _check_replay(replay: dict[str, Any], where: str, yielded: int) -> None:
+    """The replay record at ``where`` (``state['replay']``, or its ``['end_of']``).
+
+    ``yielded``: the batches of its epoch handed out (``batches_yielded``, or the ended
+    epoch's ``batches``).
+    """
     end_of = replay.get("end_of")
     if end_of is not None:
         if not isinstance(end_of, dict):
@@ -402,7 +416,11 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
                 f"pass a state from Prefetcher.state_dict()"
             )
         _check_count(end_of.get("batches"), f"{where}['end_of']['batches']")
-        _check_replay({k: v for k, v in end_of.items() if k != "batches"}, f"{where}['end_of']")
+        _check_replay(
+            {k: v for k, v in end_of.items() if k != "batches"},
+            f"{where}['end_of']",
+            end_of["batches"],
+        )
     next_rng = replay.get("next_rng")
     if next_rng is not None:
         try:
@@ -430,7 +448,7 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
         )
     _check_source_draws(replay.get("source_draws"), f"{where}['source_draws']")
     _check_source_draws(replay.get("pull_draws"), f"{where}['pull_draws']")
-    _check_worker_draws(replay.get("worker_draws"), f"{where}['worker_draws']")
+    _check_worker_draws(replay.get("worker_draws"), f"{where}['worker_draws']", yielded)
     for name, value in rng.items():
         try:
             torch.Generator().set_state(value)  # the same check a real restore would make
@@ -441,8 +459,11 @@ def _check_replay(replay: dict[str, Any], where: str) -> None:
             ) from e
 
 
-def _check_worker_draws(saved: object, where: str) -> None:
-    """Refuse a record of the workers' draws that a resume could not set."""
+def _check_worker_draws(saved: object, where: str, yielded: int) -> None:
+    """Refuse a record of the workers' draws that a resume could not set.
+
+    Its ``batches`` start the round of ``len(states)`` batches that ``yielded`` falls in.
+    """
     if saved is None:
         return
     fix = "the checkpoint is damaged or not from Prefetcher.state_dict()"
@@ -452,7 +473,14 @@ def _check_worker_draws(saved: object, where: str) -> None:
             f"{where} must be a dict with 'batches' and a list of 'states', one per worker "
             f"({received(saved)}); {fix}"
         )
-    _check_count(saved.get("batches"), f"{where}['batches']")
+    start = saved.get("batches")
+    _check_count(start, f"{where}['batches']")
+    if start != yielded - yielded % len(states):
+        raise ValueError(
+            f"{where}['batches'] is {start}, not the start of the round of {len(states)} "
+            f"batches that the {yielded} batches handed out end in "
+            f"({yielded - yielded % len(states)}); {fix}"
+        )
     for worker, worker_states in enumerate(states):
         _check_source_draws(worker_states, f"{where}['states'][{worker}]")
 

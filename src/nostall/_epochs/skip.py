@@ -112,7 +112,7 @@ def skip_ahead(
     dropped, so that each later batch is loaded by its uninterrupted worker.
     """
     if not count:
-        started = _nothing
+        started = nothing
     kind = classify(source)
     if workers is not None:
         start, iterate_workers, restore = workers
@@ -148,7 +148,7 @@ def drop(it: Iterator[Any], count: int, last_pull: Callable[[], None] = lambda: 
             continue  # a batch that raised was handed out as its error: skip it as well
 
 
-def _nothing() -> None:
+def nothing() -> None:
     """No batch skipped: nothing to call back."""
 
 

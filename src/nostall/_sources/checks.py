@@ -127,8 +127,9 @@ def warn_unresumed_worker_draws(
     ``num_workers``) is named too.
     """
     persistent = kind.loader if kind.persistent else kind.held_persistent
-    resumable = records_workers and len(replay.get("worker_draws", {}).get("states", ())) == (
-        kind.workers
+    recorded = replay.get("worker_draws") or (replay.get("end_of") or {}).get("worker_draws")
+    resumable = (
+        records_workers and recorded is not None and len(recorded["states"]) == (kind.workers)
     )
     if persistent is not None and not replay.get("fresh_iterator", True) and not resumable:
         if draws_in_workers(persistent) is False:
@@ -145,7 +146,6 @@ def warn_unresumed_worker_draws(
             UserWarning,
         )
         return
-    recorded = replay.get("worker_draws")
     if recorded is None:
         return
     saved, here = len(recorded["states"]), kind.workers

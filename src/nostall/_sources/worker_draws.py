@@ -19,6 +19,15 @@ at the recorded states (:class:`Restore`, after the loader's own ``worker_init_f
 and drops the ``k % N`` batches left, so that every batch is loaded by the worker, and from the
 states, of the uninterrupted run.
 
+A loader with persistent workers keeps one iterator, and its workers, from epoch to epoch; the
+iterator takes its ``collate_fn`` when it is created. nostall creates it, where the loader has
+none, with :class:`Stamp` in place of the loader's own for that call only, and its workers
+stamp only while nostall iterates (a switch in shared memory, :class:`Switch`): a loop over the
+loader itself once nostall's epoch ended, or its prefetcher closed, gets the loader's own
+batches. An epoch of such workers that did not run to its end through nostall (a ``break``,
+the loader iterated directly) leaves draws behind that nostall did not see: the next epoch's
+first round is not recorded (a state saved there resumes with a warning).
+
 Invariant: a :class:`Stamped` value never leaves :class:`Unstamped`; the user, the staging and
 the state see the loader's own batches.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import array
 import collections
+import copy
 import pickle
 import random
 import sys
@@ -36,12 +46,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from .._torch_compat import attributes_swapped, copy_loader, live_iterator
+from .._torch_compat import attributes_swapped, copy_loader, forget_iterator, live_iterator
 from .generators import Saved, as_tuples, moved, set_states, snapshot
-
-#: Rounds of recorded states kept (one per ``num_workers`` batches pulled): a state saved
-#: within this many rounds of the producer finds its round's (prefetch depth is far less).
-KEPT_ROUNDS = 1024
 
 
 class Stamped(NamedTuple):
@@ -57,22 +63,53 @@ class Stamped(NamedTuple):
     states: bytes | None
 
 
+class Switch:
+    """Whether a persistent iterator's workers stamp, in memory the workers share.
+
+    ``on`` while nostall iterates an epoch of it; off otherwise, when each batch collated is
+    counted (``foreign``): nostall tells from that count that someone else iterated it.
+    """
+
+    def __init__(self) -> None:
+        self.values = torch.zeros(2, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+
+    @property
+    def on(self) -> bool:
+        return bool(self.values[0])
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        self.values[0] = int(value)
+
+    @property
+    def foreign(self) -> int:
+        """Batches collated while off (a count that only grows; racing workers may lose one)."""
+        return int(self.values[1])
+
+    def count_foreign(self) -> None:
+        self.values[1] += 1
+
+
 class Stamp:
     """The loader's ``collate_fn``, run in a worker: the batch, stamped with its states.
 
     One copy lives in each worker process (pickled or forked into it); ``_sent`` is that
     worker's last sent states. Reading them costs about 0.1 ms a batch (NumPy's is most of
-    it), in the worker, beside the batch's own loading.
+    it), in the worker, beside the batch's own loading. ``switch``: for a persistent iterator,
+    stamps only while it is on (else the loader's batch, counted); None: always.
     """
 
-    def __init__(self, collate: Callable[[Any], Any]) -> None:
-        self.collate = collate
+    def __init__(self, collate: Callable[[Any], Any], switch: Switch | None = None) -> None:
+        self.collate, self.switch = collate, switch
         self._sent: RawStates | None = None
 
     def __call__(self, samples: Any) -> Any:
         batch = self.collate(samples)
         info = get_worker_info()
         if info is None:  # collated in the main process: no worker to record
+            return batch
+        if self.switch is not None and not self.switch.on:
+            self.switch.count_foreign()
             return batch
         states = _raw_states()
         if states == self._sent:
@@ -81,7 +118,7 @@ class Stamp:
         return Stamped(batch, info.id, pickle.dumps(states, protocol=pickle.HIGHEST_PROTOCOL))
 
     def __repr__(self) -> str:
-        return repr(self.collate)
+        return f"nostall.Stamp({self.collate!r})"
 
 
 #: A worker's generators as read in it, cheaply: torch's state's bytes, Python's ``random``
@@ -150,18 +187,26 @@ class WorkerRecord:
 
     Used in the thread that pulls (the producer's, or the consumer's when a resume opens an
     epoch); read when a state is saved, in the consumer's. Entries are only added and evicted
-    oldest first, each a tuple made once: a read sees a whole entry or none.
+    oldest first, each a tuple made once: a read sees a whole entry or none. ``ahead``: the
+    most batches the producer pulls ahead of the consumer; rounds further behind are dropped.
     """
 
-    def __init__(self) -> None:
-        #: (epoch, batches pulled, a multiple of N) -> each worker's pickled states then.
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        #: (epoch, batches pulled, a multiple of N; or -1: the epoch before it ended) -> each
+        #: worker's pickled states then.
         self._rounds: collections.OrderedDict[tuple[int, int], tuple[bytes | None, ...]] = (
             collections.OrderedDict()
         )
-        #: A persistent loader's iterator whose workers stamp (created here), and its
-        #: workers' latest states, carried from epoch to epoch as the workers are.
+        #: A persistent loader's iterator whose workers stamp (created here), its switch,
+        #: its workers' latest states (carried from epoch to epoch, as the workers are),
+        #: whether its last epoch through nostall ran to its end, and the switch's count of
+        #: batches collated for someone else then.
         self._stamping: object | None = None
+        self._switch: Switch | None = None
         self._latest: list[bytes | None] = []
+        self._ended = True
+        self._foreign = 0
 
     def iterate_persistent(
         self,
@@ -176,22 +221,56 @@ class WorkerRecord:
         processes) is made with :class:`Stamp` as its ``collate_fn`` (and, for ``resume``,
         with the resumed workers' ``worker_init_fn``, index sampler and base-seed generator),
         the loader's own attributes set back at once. A live iterator that was created
-        elsewhere (its workers do not stamp) is iterated as it is, its epochs not recorded.
+        elsewhere (its workers do not stamp for this record) is iterated as it is, its epochs
+        not recorded.
         """
-        skipped = 0
+        workers = loader.num_workers
         if live_iterator(loader) is None:
-            swaps: dict[str, Any] = {"collate_fn": Stamp(loader.collate_fn)}
-            latest: list[bytes | None] = [None] * loader.num_workers
+            created = Switch()
+            swaps: dict[str, Any] = {"collate_fn": Stamp(loader.collate_fn, created)}
+            skipped, latest = 0, _fresh(workers)
             if resume is not None:
                 swaps.update(resume.swaps)
                 skipped, latest = resume.start, list(resume.restored)
+            created.on = True
             with attributes_swapped(loader, **swaps):
                 it = open_epoch(loader)
-            self._stamping, self._latest = live_iterator(loader), latest
-        else:
-            it = open_epoch(loader)
-        keep = self._stamping is not None and live_iterator(loader) is self._stamping
-        return Unstamped(it, self, epoch, skipped, self._latest, keep=keep)
+            self._stamping, self._switch, self._latest = live_iterator(loader), created, latest
+            self._ended, self._foreign = False, 0
+            return Unstamped(it, self, epoch, skipped, latest, ends=created)
+        switch = self._switch
+        if switch is None or live_iterator(loader) is not self._stamping:
+            return Unstamped(open_epoch(loader), self, epoch, 0, _fresh(workers), keep=False)
+        # Draws this record did not see (an epoch left before its end, batches collated for
+        # someone else) make this epoch's first round unknown: not recorded.
+        seen_all = self._ended and switch.foreign == self._foreign
+        switch.on = True
+        self._ended = False
+        it = open_epoch(loader)
+        return Unstamped(it, self, epoch, 0, self._latest, ends=switch, first_round=seen_all)
+
+    def ended(self, switch: Switch) -> None:
+        """An epoch of the persistent iterator ran to its end through nostall: switch it off."""
+        switch.on = False
+        self._ended, self._foreign = True, switch.foreign
+
+    def release(self) -> None:
+        """nostall is done with the loader: its workers stop stamping (a loop over it is plain)."""
+        if self._switch is not None:
+            self._switch.on = False
+
+    def forget_workers(self, loader: DataLoader[Any]) -> bool:
+        """Let go of the loader's workers where they are this record's; whether they were.
+
+        A resume inside this process starts new ones, at the state's recorded states (the
+        running ones drew past them).
+        """
+        if self._stamping is None or live_iterator(loader) is not self._stamping:
+            return False
+        self.release()
+        forget_iterator(loader)
+        self._stamping = self._switch = None
+        return True
 
     def iterate(
         self,
@@ -207,13 +286,14 @@ class WorkerRecord:
         ``restored``: the states its workers start at (a resume), else fresh ones.
         """
         workers = loader.num_workers
-        copy = _stamping_copy(loader)
-        latest: list[bytes | None] = [None] * workers if restored is None else list(restored)
+        copy = copy_loader(loader, collate_fn=Stamp(loader.collate_fn))
+        latest = _fresh(workers) if restored is None else list(restored)
         return Unstamped(open_epoch(copy), self, epoch, skipped, latest)
 
     def _keep(self, key: tuple[int, int], latest: list[bytes | None]) -> None:
         self._rounds[key] = tuple(latest)
-        while len(self._rounds) > KEPT_ROUNDS:
+        kept = self.ahead // max(1, len(latest)) + 5  # the rounds a state can still ask for
+        while len(self._rounds) > kept:
             self._rounds.popitem(last=False)
 
     def round_of(self, epoch: int, batches: int, workers: int) -> dict[str, Any] | None:
@@ -222,7 +302,7 @@ class WorkerRecord:
         ``{"batches": b, "states": [...]}``: the round's start ``b`` (``batches`` less
         ``batches % workers``) and each worker's states then (checkpoint-safe dictionaries,
         None for a worker that had loaded nothing). None where that round is not recorded
-        (not iterated here, or evicted).
+        (not iterated here, not seen whole, or dropped).
         """
         start = batches - batches % workers
         kept = self._rounds.get((epoch, start))
@@ -253,9 +333,9 @@ class PersistentResume(NamedTuple):
     swaps: dict[str, Any]
 
 
-def _stamping_copy(loader: DataLoader[Any]) -> DataLoader[Any]:
-    """A copy of ``loader`` whose ``collate_fn`` stamps each batch (see :class:`Stamp`)."""
-    return copy_loader(loader, collate_fn=Stamp(loader.collate_fn))
+def _fresh(workers: int) -> list[bytes | None]:
+    """Fresh workers' latest states: none recorded (each starts from its seed)."""
+    return [None] * workers
 
 
 class Unstamped:
@@ -263,10 +343,13 @@ class Unstamped:
 
     Counts the batches pulled (one that raised too: the uninterrupted epoch handed it out as
     its error) from ``skipped``; at every multiple of the workers' count, the record keeps
-    each worker's latest states (``latest``, updated from each batch's stamp).
+    each worker's latest states (``latest``, updated from each batch's stamp), the epoch's
+    first one only where ``first_round``. ``keep=False``: workers this record does not own,
+    whose batches may come stamped (another prefetcher's switch left on): only unstamped.
+    ``ends``: a persistent iterator's switch, turned off at the epoch's end.
     """
 
-    __slots__ = ("_epoch", "_it", "_latest", "_pulled", "_record", "_workers")
+    __slots__ = ("_ends", "_epoch", "_it", "_latest", "_pulled", "_record", "_workers")
 
     def __init__(
         self,
@@ -275,13 +358,16 @@ class Unstamped:
         epoch: int,
         skipped: int,
         latest: list[bytes | None],
+        *,
         keep: bool = True,
+        ends: Switch | None = None,
+        first_round: bool = True,
     ) -> None:
-        self._it, self._record, self._epoch = it, record, epoch
+        self._it, self._record, self._epoch, self._ends = it, record, epoch, ends
         self._pulled, self._latest = skipped, latest
-        # A worker count of 0 keeps no round: (pulled % 0 is never taken).
+        # A worker count of 0 keeps no round.
         self._workers = len(latest) if keep else 0
-        if keep:
+        if keep and first_round:
             record._keep((epoch, skipped), latest)
 
     def __iter__(self) -> Unstamped:
@@ -291,16 +377,18 @@ class Unstamped:
         try:
             stamped = next(self._it)
         except StopIteration:
-            if self._workers:  # the next epoch of persistent workers starts from here
+            if self._ends is not None:
+                self._record.ended(self._ends)
+            if self._workers and self._ends is not None:  # the next epoch starts from here
                 self._record._keep((self._epoch + 1, -1), self._latest)
             raise
         except Exception:
             self._counted()
             raise
-        if type(stamped) is not Stamped:  # collated in this process (cannot happen with workers)
+        if type(stamped) is not Stamped:  # workers that do not stamp for this record
             self._counted()
             return stamped
-        if stamped.states is not None:
+        if stamped.states is not None and self._workers:
             self._latest[stamped.worker] = stamped.states
         self._counted()
         return stamped.batch
@@ -322,12 +410,14 @@ def restored_states(saved: list[Any]) -> tuple[bytes | None, ...]:
 def draws_in_workers(loader: DataLoader[Any]) -> bool | None:
     """Whether the loader's workers draw from their global generators as they load, as seen.
 
-    Tried once, in this process: its dataset's first sample (collated as a batch of one,
-    where the loader collates batches), the generators put back afterwards. None where the
-    trial raised (a dataset that only loads in a worker, say): it cannot tell.
+    Tried once, in this process: the first sample of a shallow copy of its dataset (collated
+    as a batch of one, where the loader collates batches), the generators put back afterwards.
+    None where the trial raised (a dataset that only loads in a worker, say): it cannot tell.
     """
-    dataset: Any = loader.dataset
     try:
+        # A shallow copy: a handle the dataset opens on first use (h5py, lmdb) is opened on
+        # the copy, not on the dataset the workers are made from.
+        dataset: Any = copy.copy(loader.dataset)
         if len(dataset) == 0:
             return False
         saved = Saved()
