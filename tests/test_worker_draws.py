@@ -397,3 +397,27 @@ def test_a_record_that_does_not_start_its_round_is_refused() -> None:
         pytest.raises(ValueError, match=r"\['worker_draws'\]\['batches'\] is 0"),
     ):
         batches.load_state_dict(state)
+
+
+@pytest.mark.parametrize("at", [0, 3], ids=["first-round", "later-round"])
+def test_a_round_no_longer_kept_is_warned_of_where_the_state_is_saved(at: int) -> None:
+    """Dropped (the loading ran further ahead than the record keeps): warned at ``state_dict``.
+
+    In an epoch's first round, workers started each epoch are as they started: nothing lost.
+    """
+    seed_all(0)
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        batches._lineage.epochs.worker_record.ahead = -100  # keeps no round at all
+        it = iter(batches)
+        for _ in range(at + 1):
+            next(it)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = batches.state_dict()
+    said = [w for w in caught if "no longer recorded" in str(w.message)]
+    if at < 2:
+        assert not said
+        assert [None, None] == state["replay"]["worker_draws"]["states"]
+    else:
+        assert [w.filename for w in said] == [__file__]
+        assert "worker_draws" not in state["replay"]

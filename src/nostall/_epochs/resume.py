@@ -35,6 +35,7 @@ from .._sources.generators import as_tuples
 from .._sources.global_draws import DrawWatch
 from .._sources.samplers import describe_order
 from .._transform_state import StatefulTransform
+from .._warn import warn
 from .epochs import AS_BUILT, EpochSource
 
 #: Version of the state format written by ``Prefetcher.state_dict``.
@@ -203,8 +204,29 @@ def with_worker_draws(state: dict[str, Any], epochs: EpochSource) -> None:
     if not batches and not persistent:
         return  # an epoch's start: its new workers start as they did
     recorded = record.round_of(state["epoch"], batches, workers)
+    if recorded is None and not persistent:
+        if batches < workers:  # the epoch's first round: its new workers as they started
+            recorded = {"batches": 0, "states": [None] * workers}
+        else:
+            warn_unrecorded_worker_draws(state["epoch"], batches)
     if recorded is not None:
         state["replay"] = {**replay, "worker_draws": recorded}
+
+
+def warn_unrecorded_worker_draws(epoch: int, batches: int) -> None:
+    """A state whose round of the workers' draws is no longer kept: said where it is saved.
+
+    Only where the producer ran further ahead of the loop than the record keeps (more epochs
+    than batches ahead, say): a resume from it gets the same samples with other draws.
+    """
+    warn(
+        f"nostall: the random numbers this loader's worker processes drew before batch "
+        f"{batches} of epoch {epoch} are no longer recorded (the loading ran too far ahead "
+        f"of this state): a run resumed from it gets the same samples in the same order, with "
+        f"other random values wherever the workers draw. Save the state closer to the loop "
+        f"(a smaller depth=) for the values of an uninterrupted run",
+        UserWarning,
+    )
 
 
 def loaded_position(

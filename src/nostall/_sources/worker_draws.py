@@ -292,7 +292,7 @@ class WorkerRecord:
 
     def _keep(self, key: tuple[int, int], latest: list[bytes | None]) -> None:
         self._rounds[key] = tuple(latest)
-        kept = self.ahead // max(1, len(latest)) + 5  # the rounds a state can still ask for
+        kept = max(0, self.ahead // max(1, len(latest)) + 5)  # rounds a state can ask for
         while len(self._rounds) > kept:
             self._rounds.popitem(last=False)
 
