@@ -89,9 +89,7 @@ def measure_one(name: str, loader: DataLoader[Any], repeats: int) -> None:
     base = statistics.median(seconds["nostall, unrecorded"])
     for way, values in seconds.items():
         median = statistics.median(values)
-        ratios = sorted(
-            v / u for v, u in zip(values, seconds["nostall, unrecorded"], strict=True)
-        )
+        ratios = sorted(v / u for v, u in zip(values, seconds["nostall, unrecorded"], strict=True))
         print(
             f"  {way:20} {median * 1e3 / batches:7.3f} ms a batch "
             f"({min(values) * 1e3 / batches:.3f}-{max(values) * 1e3 / batches:.3f})  "
