@@ -11,7 +11,7 @@ realistic batch, milliseconds per sample) and tiny tensors with one draw each (t
 a batch loads in well under a millisecond, so a fixed cost per batch shows). No step runs
 between batches: the loop only takes them, so the loader's own speed is what is timed.
 
-Run: .venv/bin/python benchmarks/worker_draws.py [--repeats 7]
+Run: .venv/bin/python benchmarks/worker_draws.py [--repeats 7] [--jpeg-batches 24]
 """
 
 from __future__ import annotations
@@ -111,18 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     """Both workloads, with the command line's arguments."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--jpeg-batches", type=int, default=24)
+    parser.add_argument("--tiny-batches", type=int, default=200)
+    parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--jpeg-cache", default=None)
     args = parser.parse_args(argv)
     paths = jpeg_files(args.jpeg_cache, 64)
-    images = AugmentedJpegImages(paths, 224, 16 * 24)
+    images = AugmentedJpegImages(paths, args.size, 16 * args.jpeg_batches)
     measure_one(
         "augmented JPEG, batches of 16, 2 persistent workers",
         DataLoader(images, batch_size=16, num_workers=2, persistent_workers=True),
         args.repeats,
     )
+    tiny = TinyDrawing(32 * args.tiny_batches)
     measure_one(
         "tiny tensors, batches of 32, 2 persistent workers",
-        DataLoader(TinyDrawing(32 * 200), batch_size=32, num_workers=2, persistent_workers=True),
+        DataLoader(tiny, batch_size=32, num_workers=2, persistent_workers=True),
         args.repeats,
     )
 

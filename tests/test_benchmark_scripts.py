@@ -287,3 +287,12 @@ def test_augmented_prefetch_loads_ahead_with_the_plain_loops_batches(tmp_path: P
     assert 0 == done.returncode, done.stderr
     assert "nostall's watch ended 'apart'; the batches equal" in done.stdout
     assert "x the plain loop (per repeat" in done.stdout
+
+
+def test_worker_draws_times_recording_against_none(tmp_path: Path) -> None:
+    """What recording the workers' draws costs: each way timed, as a ratio to none."""
+    args = ("--repeats", "1", "--jpeg-batches", "2", "--tiny-batches", "4", "--size", "32")
+    done = run("worker_draws.py", *args, "--jpeg-cache", str(tmp_path))
+    assert 0 == done.returncode, done.stderr
+    assert 2 == done.stdout.count("nostall, unrecorded"), done.stdout
+    assert "x the unrecorded time (per epoch" in done.stdout
