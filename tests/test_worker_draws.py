@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import wait_for_no_nostall_threads
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
@@ -353,13 +354,17 @@ def test_a_prefetcher_per_epoch_over_one_persistent_loader_gives_its_batches() -
 
 
 def test_the_loader_itself_gives_its_own_batches_after_nostall() -> None:
-    """Once nostall's epoch ended or its prefetcher closed, a loop over the loader is plain."""
+    """A loop over the loader itself gets its own batches, whatever nostall left behind."""
     source = loader(2, persistent=True)
     batches = nostall.prefetch(source, "cpu")
     list(batches)  # an epoch to its end: the workers stop stamping
     assert all(type(b) is torch.Tensor for b in source)
-    next(iter(batches))  # an epoch left early ...
-    batches.close()  # ... and the prefetcher closed
+    for _ in batches:
+        break  # an epoch left early, the prefetcher still open
+    assert [] == wait_for_no_nostall_threads()  # its producer let go of the loader
+    assert all(type(b) is torch.Tensor for b in source)
+    next(iter(batches))  # again, and the prefetcher closed
+    batches.close()
     assert all(type(b) is torch.Tensor for b in source)
 
 
@@ -421,3 +426,77 @@ def test_a_round_no_longer_kept_is_warned_of_where_the_state_is_saved(at: int) -
     else:
         assert [w.filename for w in said] == [__file__]
         assert "worker_draws" not in state["replay"]
+
+
+@pytest.mark.parametrize("between", ["reset", "loop"], ids=["workers-replaced", "loader-looped"])
+@pytest.mark.parametrize("save_at", [(1, -1), (1, 0), (1, 2)], ids=["start", "first", "second"])
+def test_persistent_workers_used_elsewhere_between_epochs_resume_exactly_or_are_warned_of(
+    between: str, save_at: tuple[int, int]
+) -> None:
+    """Workers replaced between two epochs (as Lightning shuts them down), or the loader looped.
+
+    A later state resumes exactly, or ``load_state_dict`` warns.
+    """
+
+    def loop(batches: nostall.Prefetcher[Any], epochs: range) -> tuple[Batches, Any]:
+        seen: Batches = []
+        saved = None
+        for epoch in epochs:
+            if epoch == 1 and save_at[0] == 1 and saved is None and epochs[0] == 0:
+                if between == "reset":
+                    batches._iterator = None  # set on the loader: new workers next epoch
+                else:
+                    seen += [(-1, b.tolist()) for b in batches._source]
+            got, state = run(batches, range(epoch, epoch + 1), save_at)
+            seen += got
+            saved = saved or state
+        return seen, saved
+
+    seed_all(0)
+    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
+        uninterrupted, saved = loop(batches, range(EPOCHS))
+    assert saved is not None
+    seed_all(99)
+    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches.load_state_dict(copy.deepcopy(saved[0]))
+        set_global_states(saved[1])
+        rest, _ = run(batches, range(batches.epoch, EPOCHS))
+    warned = [w.filename for w in caught if "persistent_workers=False" in str(w.message)]
+    if warned:
+        assert [__file__] == warned
+    else:
+        assert uninterrupted[len(uninterrupted) - len(rest) :] == rest, "silently other values"
+    if between == "loop" and save_at[1] < 2:
+        assert warned, "draws for another loop in the first round: cannot be known, so warned"
+
+
+def test_a_new_depth_keeps_as_many_rounds_as_it_runs_ahead() -> None:
+    """``prefetcher.depth = 40`` after it was made: rounds kept for 40 batches ahead."""
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        batches.depth = 40
+        assert 40 <= batches._lineage.epochs.worker_record.ahead
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda s: s.clear(), "must be None or a dict with the 'torch' and 'random'"),
+        (lambda s: s.update(numpy=(*s["numpy"][:3], "x", 0.0)), "has_gauss 'x'"),
+        (lambda s: s.update(numpy=(s["numpy"][0], s["numpy"][1], 10**6, 0, 0.0)), "at most 624"),
+    ],
+    ids=["empty", "has-gauss", "position"],
+)
+def test_a_workers_state_that_could_not_be_set_is_refused(
+    damage: Callable[[dict[str, Any]], None], match: str
+) -> None:
+    """Each worker's states are checked as a resume would set them."""
+    seed_all(0)
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        _, saved = run(batches, range(1), (0, 2))
+    assert saved is not None
+    state = copy.deepcopy(saved[0])
+    damage(state["replay"]["worker_draws"]["states"][0])
+    with nostall.prefetch(loader(2), "cpu") as batches, pytest.raises(ValueError, match=match):
+        batches.load_state_dict(state)

@@ -198,8 +198,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             self._staging.source_context,
             transform=transform is not None,
             timeout=timeout,
-            # A few more than in flight: a batch taken ahead on a resume, Lightning's look-ahead.
-            ahead=most_in_flight(depth) + 8,
+            ahead=_ahead(depth),
         )
         refuse_unsupported(epochs.kind, across_epochs)
         self._lineage = Lineage(epochs, self._staging.transform_state())
@@ -224,6 +223,7 @@ class Prefetcher(LoaderAttributes, Generic[T]):
     def depth(self, depth: int | Literal["auto"]) -> None:
         check.depth(depth)
         self._settings = self._settings.replace(depth=depth)
+        self._lineage.epochs.worker_record.look_ahead(_ahead(depth))
 
     @property
     def across_epochs(self) -> bool:
@@ -455,3 +455,11 @@ class Prefetcher(LoaderAttributes, Generic[T]):
             f"Prefetcher(source={describe(self._source)}, device={str(self.device)!r}, "
             f"depth={self.depth}, {state})"
         )
+
+
+def _ahead(depth: int | Literal["auto"]) -> int:
+    """The most batches the producer pulls ahead of the loop with ``depth``.
+
+    A few more than in flight: a batch taken ahead on a resume, Lightning's look-ahead.
+    """
+    return most_in_flight(depth) + 8

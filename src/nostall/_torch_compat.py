@@ -7,7 +7,8 @@ the private ``_iterator`` attribute; and a DataLoader refuses ``sampler`` and ``
 once built (its ``__setattr__`` checks a private flag). nostall reads the first to tell a fresh
 epoch from a resumed one, and sets samplers on a private copy of the loader (resume, sharding),
 or on the loader itself while its persistent iterator is created (:func:`attributes_swapped`:
-the iterator takes its index sampler from the loader then, once).
+the iterator takes its index sampler from the loader then, once); it is told when that iterator
+starts an epoch it did not ask for (:func:`on_reset`, on the iterator's private ``_reset``).
 A worker process that died while handing a batch over can make the multi-process iterator
 re-raise a bare ``EOFError`` or ``ConnectionResetError`` from the fd-sharing connection before
 it notices the death itself; :func:`dead_workers_behind` finds that iterator (``self`` in the
@@ -37,6 +38,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -62,6 +64,24 @@ PRIVATE_SAMPLERS: tuple[Any, ...] = (torch._standard_gamma, torch._sample_dirich
 def live_iterator(loader: object) -> object | None:
     """The iterator a persistent-workers DataLoader keeps between epochs (None if none)."""
     return getattr(loader, "_iterator", None)
+
+
+def on_reset(iterator: object, before: Callable[[], None]) -> None:
+    """Call ``before()`` at each ``_reset`` of a persistent loader's live ``iterator``.
+
+    Its loader calls ``_reset`` at each ``iter()`` after the first, before the new epoch's
+    indices go to the workers. Set on the instance, holding it weakly (an iterator that
+    referred to itself would outlive its loader's reference, and so would its workers).
+    """
+    alive = weakref.ref(iterator)
+
+    def reset(loader: DataLoader[Any], first_iter: bool = False) -> None:
+        before()
+        it = alive()
+        assert it is not None  # called through it
+        type(it)._reset(it, loader, first_iter)  # type: ignore[attr-defined]
+
+    iterator._reset = reset  # type: ignore[attr-defined]
 
 
 def forget_iterator(loader: DataLoader[Any]) -> None:

@@ -201,8 +201,12 @@ def with_worker_draws(state: dict[str, Any], epochs: EpochSource) -> None:
         if persistent and ended is not None:
             state["replay"] = {**replay, "end_of": {**end_of, "worker_draws": ended}}
         return
-    if not batches and not persistent:
-        return  # an epoch's start: its new workers start as they did
+    if not batches:
+        if persistent and not replay["fresh_iterator"]:  # else new workers, as they started
+            recorded = record.start_of(state["epoch"], epochs.source)  # type: ignore[arg-type]
+            if recorded is not None:
+                state["replay"] = {**replay, "worker_draws": recorded}
+        return
     recorded = record.round_of(state["epoch"], batches, workers)
     if recorded is None and not persistent:
         if batches < workers:  # the epoch's first round: its new workers as they started
@@ -504,6 +508,13 @@ def _check_worker_draws(saved: object, where: str, yielded: int) -> None:
             f"({yielded - yielded % len(states)}); {fix}"
         )
     for worker, worker_states in enumerate(states):
+        if worker_states is not None and not (
+            isinstance(worker_states, dict) and {"torch", "random"} <= set(worker_states)
+        ):
+            raise ValueError(
+                f"{where}['states'][{worker}] must be None or a dict with the 'torch' and "
+                f"'random' generators' states ({received(worker_states)}); {fix}"
+            )
         _check_source_draws(worker_states, f"{where}['states'][{worker}]")
 
 
@@ -523,9 +534,14 @@ def _check_source_draws(saved: object, where: str) -> None:
         if "random" in saved:
             random.Random().setstate(as_tuples(saved["random"]))
         if "numpy" in saved:
-            kind, keys, position, _, _ = saved["numpy"]
+            kind, keys, position, has_gauss, gauss = saved["numpy"]
             if kind != "MT19937" or not isinstance(keys, torch.Tensor) or keys.numel() != 624:
                 raise ValueError(f"not a NumPy MT19937 state: {kind!r}")
             _check_count(position, f"{where}['numpy'] position")
+            if position > 624 or has_gauss not in (0, 1) or not isinstance(gauss, float):
+                raise ValueError(
+                    f"not a NumPy MT19937 state: position {position!r} (at most 624), "
+                    f"has_gauss {has_gauss!r} (0 or 1), gauss {gauss!r} (a float)"
+                )
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{where} holds a state that cannot be set back ({e}); {fix}") from e

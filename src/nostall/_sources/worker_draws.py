@@ -22,11 +22,12 @@ states, of the uninterrupted run.
 A loader with persistent workers keeps one iterator, and its workers, from epoch to epoch; the
 iterator takes its ``collate_fn`` when it is created. nostall creates it, where the loader has
 none, with :class:`Stamp` in place of the loader's own for that call only, and its workers
-stamp only while nostall iterates (a switch in shared memory, :class:`Switch`): a loop over the
-loader itself once nostall's epoch ended, or its prefetcher closed, gets the loader's own
-batches. An epoch of such workers that did not run to its end through nostall (a ``break``,
-the loader iterated directly) leaves draws behind that nostall did not see: the next epoch's
-first round is not recorded (a state saved there resumes with a warning).
+stamp only while nostall iterates (a switch in shared memory, :class:`Switch`, turned off at
+the end of nostall's epoch, when its prefetcher closes, and when anyone else starts an epoch of
+the iterator): a loop over the loader itself gets the loader's own batches. An epoch of such
+workers that did not run to its end through nostall (a ``break``, the loader iterated
+directly) leaves draws behind that nostall did not see: the next epoch's first round is not
+recorded (a state saved there resumes with a warning).
 
 Invariant: a :class:`Stamped` value never leaves :class:`Unstamped`; the user, the staging and
 the state see the loader's own batches.
@@ -40,13 +41,20 @@ import copy
 import pickle
 import random
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from .._torch_compat import attributes_swapped, copy_loader, forget_iterator, live_iterator
+from .._torch_compat import (
+    attributes_swapped,
+    copy_loader,
+    forget_iterator,
+    live_iterator,
+    on_reset,
+)
 from .generators import Saved, as_tuples, moved, set_states, snapshot
 
 
@@ -202,11 +210,17 @@ class WorkerRecord:
         #: its workers' latest states (carried from epoch to epoch, as the workers are),
         #: whether its last epoch through nostall ran to its end, and the switch's count of
         #: batches collated for someone else then.
-        self._stamping: object | None = None
+        self._stamping: weakref.ref[object] | None = None
         self._switch: Switch | None = None
         self._latest: list[bytes | None] = []
         self._ended = True
         self._foreign = 0
+        #: nostall is starting an epoch of that iterator now (see :meth:`_reset_elsewhere`).
+        self._opening = False
+
+    def look_ahead(self, batches: int) -> None:
+        """From now on the producer pulls up to ``batches`` ahead of the loop (a new depth)."""
+        self.ahead = batches
 
     def iterate_persistent(
         self,
@@ -235,19 +249,40 @@ class WorkerRecord:
             created.on = True
             with attributes_swapped(loader, **swaps):
                 it = open_epoch(loader)
-            self._stamping, self._switch, self._latest = live_iterator(loader), created, latest
+            live = live_iterator(loader)
+            assert live is not None  # created by this iter()
+            on_reset(live, self._reset_elsewhere)
+            self._stamping, self._switch, self._latest = weakref.ref(live), created, latest
             self._ended, self._foreign = False, 0
             return Unstamped(it, self, epoch, skipped, latest, ends=created)
         switch = self._switch
-        if switch is None or live_iterator(loader) is not self._stamping:
+        if switch is None or not self._owns(loader):
             return Unstamped(open_epoch(loader), self, epoch, 0, _fresh(workers), keep=False)
         # Draws this record did not see (an epoch left before its end, batches collated for
         # someone else) make this epoch's first round unknown: not recorded.
         seen_all = self._ended and switch.foreign == self._foreign
         switch.on = True
-        self._ended = False
-        it = open_epoch(loader)
+        self._ended, self._opening = False, True
+        try:
+            it = open_epoch(loader)
+        finally:
+            self._opening = False
         return Unstamped(it, self, epoch, 0, self._latest, ends=switch, first_round=seen_all)
+
+    def _owns(self, loader: DataLoader[Any]) -> bool:
+        """Whether the loader's live iterator is the one this record's workers stamp for."""
+        live = live_iterator(loader)
+        return live is not None and self._stamping is not None and self._stamping() is live
+
+    def _reset_elsewhere(self) -> None:
+        """The stamping iterator starts an epoch: unless nostall's, its workers stop stamping.
+
+        Someone else iterates the loader (a loop over it after an epoch nostall left early):
+        its batches are its own, and what its workers draw for them is not seen.
+        """
+        if not self._opening and self._switch is not None:
+            self._switch.on = False
+            self._ended = False
 
     def ended(self, switch: Switch) -> None:
         """An epoch of the persistent iterator ran to its end through nostall: switch it off."""
@@ -265,7 +300,7 @@ class WorkerRecord:
         A resume inside this process starts new ones, at the state's recorded states (the
         running ones drew past them).
         """
-        if self._stamping is None or live_iterator(loader) is not self._stamping:
+        if not self._owns(loader):
             return False
         self.release()
         forget_iterator(loader)
@@ -305,9 +340,32 @@ class WorkerRecord:
         (not iterated here, not seen whole, or dropped).
         """
         start = batches - batches % workers
-        kept = self._rounds.get((epoch, start))
-        if kept is None and not batches:
-            kept = self._rounds.get((epoch, -1))  # where the epoch before it ended
+        return self._as_saved(start, self._rounds.get((epoch, start)), workers)
+
+    def start_of(self, epoch: int, loader: DataLoader[Any]) -> dict[str, Any] | None:
+        """:meth:`round_of` for a state at ``epoch``'s start, over persistent workers.
+
+        The round nostall recorded as it opened the epoch, else the one where the epoch before
+        it ended, provided the loader's workers are still this record's and did nothing since
+        (no epoch left early, no batch collated for someone else).
+        """
+        kept = self._rounds.get((epoch, 0))
+        switch = self._switch
+        if (
+            kept is None
+            and switch is not None
+            and self._owns(loader)
+            and self._ended
+            and switch.foreign == self._foreign
+        ):
+            kept = self._rounds.get((epoch, -1))
+        return self._as_saved(0, kept, loader.num_workers)
+
+    @staticmethod
+    def _as_saved(
+        start: int, kept: tuple[bytes | None, ...] | None, workers: int
+    ) -> dict[str, Any] | None:
+        """A kept round as a state records it (None where not kept, or for other workers)."""
         if kept is None or len(kept) != workers:
             return None
         return {
