@@ -149,7 +149,7 @@ def _regime(ax: Any, result: BenchResult, style: dict[str, dict[str, Any]]) -> N
     _bars(ax, _stats(result, "gpu regime", setting, "efficiency"), style)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("epoch time over the GPU's own time (1: the GPU never waited for data)")
-    ax.set_title(f"a {setting} GPU step: how long each epoch took")
+    ax.set_title(f"a GPU step of {setting}: how long each epoch took")
 
 
 _PANELS = (
