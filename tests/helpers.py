@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -534,3 +535,41 @@ class OneBadSample(torch.utils.data.Dataset[int]):
         if i == 6:
             raise ValueError("sample 6 is corrupt")
         return i
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's, Python's and NumPy's global generators, as a training script does."""
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def global_states() -> tuple[Any, ...]:
+    """torch's, Python's and NumPy's global generators' states, as a checkpoint saves them."""
+    import numpy as np
+
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def set_global_states(states: tuple[Any, ...]) -> None:
+    """Set the generators back to :func:`global_states`' ``states``, as a resumed run does."""
+    import numpy as np
+
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+
+
+class LoaderWrapper:
+    """A class whose ``__iter__`` yields from a DataLoader it holds: timm's ``PrefetchLoader``."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.loader
+
+    def __len__(self) -> int:
+        return len(self.loader)

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from frameworks.timm_like import Augmented, create_loader
+from helpers import LoaderWrapper, global_states, seed_all, set_global_states
 from torch.nn import functional
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
@@ -51,22 +50,6 @@ class Checkpoint:
     data: dict[str, Any]
     rng: tuple[Any, ...]
     model: dict[str, torch.Tensor]
-
-
-def seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-def global_rng() -> tuple[Any, ...]:
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
-
-
-def restore_rng(states: tuple[Any, ...]) -> None:
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    np.random.set_state(states[2])
 
 
 class Trainer:
@@ -109,7 +92,7 @@ def train(
             if (epoch, i) == save_at:
                 assert isinstance(batches, nostall.Prefetcher)
                 saved = Checkpoint(
-                    batches.state_dict(), global_rng(), copy.deepcopy(trainer.model.state_dict())
+                    batches.state_dict(), global_states(), copy.deepcopy(trainer.model.state_dict())
                 )
     return saved
 
@@ -123,7 +106,7 @@ def resumed(
     trainer.model.load_state_dict(checkpoint.model)
     batches = nostall.prefetch(make(), "cpu", **options)
     batches.load_state_dict(checkpoint.data)
-    restore_rng(checkpoint.rng)
+    set_global_states(checkpoint.rng)
     return trainer, batches
 
 
@@ -168,19 +151,6 @@ def assert_resumed_as_uninterrupted(
 # -- 2: a resume over a PrefetchLoader-like wrapper of a loader with persistent workers ----------
 
 
-class Wrapper:
-    """The reduced form: a class whose ``__iter__`` yields from a persistent-workers loader."""
-
-    def __init__(self, loader: DataLoader[Any]) -> None:
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        yield from self.loader
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
 def persistent_loader() -> DataLoader[Any]:
     return DataLoader(
         Augmented(draws=False), shuffle=True, batch_size=4, num_workers=2, persistent_workers=True
@@ -191,7 +161,7 @@ def persistent_loader() -> DataLoader[Any]:
     "make",
     [
         persistent_loader,  # nostall over the loader itself: resumes exactly (the control)
-        lambda: Wrapper(persistent_loader()),
+        lambda: LoaderWrapper(persistent_loader()),
         lambda: create_loader(Augmented(draws=False), num_workers=2),
     ],
     ids=["loader", "wrapper", "prefetch-loader"],

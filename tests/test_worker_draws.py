@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import wait_for_no_nostall_threads
+from helpers import (
+    LoaderWrapper,
+    global_states,
+    seed_all,
+    set_global_states,
+    wait_for_no_nostall_threads,
+)
 from torch.utils.data import DataLoader, Dataset
 
 import nostall
@@ -73,22 +79,6 @@ def loader(
     )
 
 
-def seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-def global_states() -> tuple[Any, ...]:
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
-
-
-def set_global_states(states: tuple[Any, ...]) -> None:
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    np.random.set_state(states[2])
-
-
 def epoch_batches(batches: Iterator[Any]) -> Iterator[Any]:
     """An epoch's batches, with a batch's error in its place (the loop goes on after it)."""
     while True:
@@ -120,6 +110,32 @@ def run(
             if (epoch, i) == save_at:
                 saved = (batches.state_dict(), global_states())
     return seen, saved
+
+
+def a_state_inside_a_round() -> Checkpoint:
+    """A checkpoint after batch 2 of epoch 0 over 2 workers started each epoch."""
+    seed_all(0)
+    with nostall.prefetch(loader(2), "cpu") as batches:
+        _, saved = run(batches, range(1), (0, 2))
+    assert saved is not None
+    return saved
+
+
+def resumed_with_warnings(
+    loop: Callable[[nostall.Prefetcher[Any], range], tuple[Batches, Any]], saved: Checkpoint
+) -> tuple[Batches, list[warnings.WarningMessage]]:
+    """``loop`` resumed from ``saved`` over a fresh persistent loader, and what was warned.
+
+    The warnings are those of ``load_state_dict``.
+    """
+    seed_all(99)
+    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches.load_state_dict(copy.deepcopy(saved[0]))
+        set_global_states(saved[1])
+        rest, _ = loop(batches, range(batches.epoch, EPOCHS))
+    return rest, caught
 
 
 def resumed(
@@ -233,10 +249,7 @@ def test_the_loader_keeps_its_own_attributes() -> None:
 
 def test_a_state_from_another_worker_count_is_warned_of_at_load() -> None:
     """Its workers' draws cannot be set on other workers: the fix is the count it was saved with."""
-    seed_all(0)
-    with nostall.prefetch(loader(2), "cpu") as batches:
-        _, saved = run(batches, range(1), (0, 2))
-    assert saved is not None
+    saved = a_state_inside_a_round()
     with (
         nostall.prefetch(loader(3), "cpu") as batches,
         pytest.warns(UserWarning, match=r"2 worker processes.*num_workers=3") as caught,
@@ -249,18 +262,8 @@ def test_a_state_from_another_worker_count_is_warned_of_at_load() -> None:
 def test_a_wrapper_over_persistent_workers_is_warned_of_where_they_draw(draws: bool) -> None:
     """A loader that a wrapper iterates is not nostall's to record: said at load, with the fix."""
 
-    class Wrapper:
-        def __init__(self, loader: DataLoader[Any]) -> None:
-            self.loader = loader
-
-        def __iter__(self) -> Iterator[Any]:
-            yield from self.loader
-
-        def __len__(self) -> int:
-            return len(self.loader)
-
-    def make() -> Wrapper:
-        return Wrapper(loader(2, persistent=True, dataset=Drawing(draws=draws)))
+    def make() -> LoaderWrapper:
+        return LoaderWrapper(loader(2, persistent=True, dataset=Drawing(draws=draws)))
 
     seed_all(0)
     with nostall.prefetch(make(), "cpu") as batches:
@@ -275,10 +278,7 @@ def test_a_wrapper_over_persistent_workers_is_warned_of_where_they_draw(draws: b
 
 def test_a_damaged_record_of_the_workers_is_refused_at_load() -> None:
     """A worker's states that could not be set are named, field and worker."""
-    seed_all(0)
-    with nostall.prefetch(loader(2), "cpu") as batches:
-        _, saved = run(batches, range(1), (0, 2))
-    assert saved is not None
+    saved = a_state_inside_a_round()
     state = copy.deepcopy(saved[0])
     state["replay"]["worker_draws"]["states"][1] = {"torch": torch.zeros(3)}
     with (
@@ -322,13 +322,9 @@ def test_an_epoch_left_early_is_resumed_exactly_or_warned_of(save_at: tuple[int,
     with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
         uninterrupted, saved = run_short(batches, range(EPOCHS))
     assert saved is not None
-    seed_all(99)
-    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            batches.load_state_dict(copy.deepcopy(saved[0]))
-        set_global_states(saved[1])
-        rest, _ = run_short(batches, range(batches.epoch, EPOCHS), save_at[1] + 1)
+    rest, caught = resumed_with_warnings(
+        lambda batches, epochs: run_short(batches, epochs, save_at[1] + 1), saved
+    )
     warned = [w for w in caught if "persistent_workers=False" in str(w.message)]
     expected = uninterrupted[len(uninterrupted) - len(rest) :]
     if save_at[1] < 2:
@@ -391,10 +387,7 @@ def test_the_record_keeps_only_what_a_state_can_ask_for() -> None:
 
 def test_a_record_that_does_not_start_its_round_is_refused() -> None:
     """A record whose round does not hold the batches handed out could not be resumed."""
-    seed_all(0)
-    with nostall.prefetch(loader(2), "cpu") as batches:
-        _, saved = run(batches, range(1), (0, 2))
-    assert saved is not None
+    saved = a_state_inside_a_round()
     state = copy.deepcopy(saved[0])
     state["replay"]["worker_draws"]["batches"] = 0
     with (
@@ -456,13 +449,7 @@ def test_persistent_workers_used_elsewhere_between_epochs_resume_exactly_or_are_
     with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
         uninterrupted, saved = loop(batches, range(EPOCHS))
     assert saved is not None
-    seed_all(99)
-    with nostall.prefetch(loader(2, persistent=True), "cpu") as batches:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            batches.load_state_dict(copy.deepcopy(saved[0]))
-        set_global_states(saved[1])
-        rest, _ = run(batches, range(batches.epoch, EPOCHS))
+    rest, caught = resumed_with_warnings(run, saved)
     warned = [w.filename for w in caught if "persistent_workers=False" in str(w.message)]
     if warned:
         assert [__file__] == warned
@@ -492,10 +479,7 @@ def test_a_workers_state_that_could_not_be_set_is_refused(
     damage: Callable[[dict[str, Any]], None], match: str
 ) -> None:
     """Each worker's states are checked as a resume would set them."""
-    seed_all(0)
-    with nostall.prefetch(loader(2), "cpu") as batches:
-        _, saved = run(batches, range(1), (0, 2))
-    assert saved is not None
+    saved = a_state_inside_a_round()
     state = copy.deepcopy(saved[0])
     damage(state["replay"]["worker_draws"]["states"][0])
     with nostall.prefetch(loader(2), "cpu") as batches, pytest.raises(ValueError, match=match):
