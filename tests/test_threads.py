@@ -26,7 +26,7 @@ import nostall
 from nostall._epochs.epochs import EpochSource
 from nostall._epochs.skip import skip_ahead
 from nostall._loading.pool import Pool
-from nostall._loading.threads import ThreadedEpoch, sample_seed
+from nostall._loading.threads import AHEAD_PER_THREAD, ThreadedEpoch, sample_seed
 from nostall._sources.global_draws import unwatched
 from nostall.bench._workloads import AugmentedJpegImages, jpeg_files
 
@@ -159,9 +159,10 @@ def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew() -> None:
 
 
 def test_look_ahead_follows_the_room_it_is_given() -> None:
-    """An epoch starts as many batches ahead as room() allows, no more.
+    """An epoch starts room() whole batches ahead, then two samples a thread, no more.
 
-    Batches of 3 for 2 threads: none fits the threads' spare samples (test_small_batches_...).
+    Batches of 3 for 2 threads: the 4 samples past the room's are one batch and a part of the
+    next, whose other samples start when it is asked for; every batch comes whole, in order.
     """
     pool = Pool(2, "nostall-load")
     for room in (0, 2):
@@ -171,7 +172,9 @@ def test_look_ahead_follows_the_room_it_is_given() -> None:
 
         epoch = ThreadedEpoch(DataLoader(as_dataset(list(range(20))), batch_size=3), pool, given)
         assert [0, 1, 2] == next(epoch).tolist()
-        assert room == len(epoch.pending)
+        assert [3] * room + [3, 1] == [len(b.futures) for b in epoch.pending]
+        expected = [list(range(k, min(k + 3, 20))) for k in range(3, 20, 3)]
+        assert expected == [b.tolist() for b in epoch]
 
 
 def test_no_batch_is_started_for_idle_threads_while_loading_in_step() -> None:
@@ -350,15 +353,15 @@ def test_small_batches_keep_every_loading_thread_fetching() -> None:
 @pytest.mark.parametrize(
     ("depth", "size", "threads"), [(1, 3, 2), (2, 3, 2), (3, 3, 2), (2, 3, 3), (2, 1, 6)]
 )
-def test_threads_start_no_more_than_depth_batches_and_a_sample_per_thread_ahead(
+def test_threads_start_no_more_than_depth_batches_and_two_samples_per_thread_ahead(
     depth: int, size: int, threads: int
 ) -> None:
-    """Samples started and not handed out stay within depth batches plus threads samples.
+    """Samples started and not handed out stay within depth batches plus 2 x threads samples.
 
     ``taken`` counts the batches the loop body got; one more may be in the middle of being
     handed out (inside ``next()``), so the samples of batches up to ``taken + depth``, then
-    ``threads`` more (started for threads that would be idle), are the furthest allowed.
-    Checked at every fetch.
+    ``AHEAD_PER_THREAD * threads`` more (started for threads that would be idle), are the
+    furthest allowed. Checked at every fetch.
     """
     taken = [0]
     too_far: list[tuple[int, int]] = []
@@ -368,7 +371,7 @@ def test_threads_start_no_more_than_depth_batches_and_a_sample_per_thread_ahead(
             return 60
 
         def __getitem__(self, i: int) -> int:
-            if i >= (taken[0] + depth + 1) * size + threads:
+            if i >= (taken[0] + depth + 1) * size + AHEAD_PER_THREAD * threads:
                 too_far.append((i, taken[0]))
             return i
 
@@ -377,6 +380,38 @@ def test_threads_start_no_more_than_depth_batches_and_a_sample_per_thread_ahead(
         taken[0] += 1
         assert batch.tolist() == list(range(size * taken[0] - size, size * taken[0]))
     assert [] == too_far
+
+
+def test_the_threads_load_the_next_batch_while_one_is_collated() -> None:
+    """While the batch asked for is collated, the loading threads fetch the next one's samples.
+
+    ``depth=1`` leaves no room ahead: the next batch is started only for the threads (two
+    samples each). The collate of batch 0 waits (10 s at most) until sample 4, the next
+    batch's first, was fetched; it is, by a loading thread, while that collate runs. Before,
+    the threads waited for the next ``next()`` once the batch asked for was loaded.
+    """
+    fetched = threading.Event()
+    waited: list[bool] = []
+
+    class Counted(Dataset[int]):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> int:
+            if i == 4:
+                fetched.set()
+            return i
+
+    def collate(samples: list[int]) -> torch.Tensor:
+        if samples[0] == 0:
+            waited.append(fetched.wait(10))
+        return torch.tensor(samples)
+
+    loader = DataLoader(Counted(), batch_size=4, collate_fn=collate)
+    with unwatched():  # no first sample loaded alone to see whether it draws
+        batches = [b.tolist() for b in nostall.prefetch(loader, "cpu", depth=1, threads=2)]
+    assert [list(range(k, k + 4)) for k in range(0, 16, 4)] == batches
+    assert [True] == waited
 
 
 def test_a_sample_error_arrives_in_order_as_the_users_exception_and_the_epoch_goes_on() -> None:

@@ -27,6 +27,7 @@ from nostall._torch_compat import (
     answer_worker_info_per_thread,
     copy_loader,
     dead_workers_behind,
+    default_device_is_cpu,
     empty_shared_uint8,
     live_iterator,
     loading_thread_info,
@@ -222,6 +223,33 @@ def test_thread_safe_generator_reads_the_loading_threads_generator() -> None:
     with loading_thread_info(worker=0, workers=1, seed=3, dataset=None, rng=Rng()):
         assert Rng.torch_generator is torch.thread_safe_generator()
     assert torch.thread_safe_generator() is None
+
+
+def test_default_device_is_cpu_answers_as_torch_does() -> None:
+    """Its quick answer where nothing is set; torch's own under a device mode or default.
+
+    Asked in a thread of its own: a default device set there stays there.
+    """
+    answers: list[tuple[bool, bool]] = []
+
+    def ask() -> None:
+        def both() -> tuple[bool, bool]:
+            return default_device_is_cpu(), torch.get_default_device().type == "cpu"
+
+        answers.append(both())
+        with torch.device("meta"):
+            answers.append(both())
+        torch.set_default_device("meta")
+        try:
+            answers.append(both())
+        finally:
+            torch.set_default_device(None)
+        answers.append(both())
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    asking.join(30)
+    assert [(True, True), (False, False), (False, False), (True, True)] == answers
 
 
 def test_an_empty_shared_tensor_is_in_shared_memory() -> None:

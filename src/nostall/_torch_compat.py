@@ -24,7 +24,10 @@ already has a context, which torch's private ``_cuda_hasPrimaryContext`` tells
 (:func:`has_cuda_context`). ``torch.distributions``' Gamma, Beta and Dirichlet draw through
 the private ``torch._standard_gamma`` and ``torch._sample_dirichlet``, which take a
 ``generator=``: ``threads=`` routes their draws to each sample's own generator
-(:data:`PRIVATE_SAMPLERS`, see :mod:`nostall._loading.own_draws`).
+(:data:`PRIVATE_SAMPLERS`, see :mod:`nostall._loading.own_draws`). Asked for each random call
+a loading thread makes, ``torch.get_default_device()`` costs microseconds (it looks through
+the mode stack and may make a tensor); :func:`default_device_is_cpu` answers at once where
+neither a device mode nor the private ``_GLOBAL_DEVICE_CONTEXT`` is set, and asks it otherwise.
 All were checked against the torch versions in :data:`CHECKED_TORCH`;
 ``tests/test_torch_compat.py`` fails on any other version until they are checked again.
 """
@@ -59,6 +62,28 @@ L = TypeVar("L", bound=DataLoader[Any])
 #: torch's private random samplers behind ``torch.distributions`` (Gamma, Beta, Dirichlet),
 #: called from Python with ``generator=None``; each takes a ``generator=``.
 PRIVATE_SAMPLERS: tuple[Any, ...] = (torch._standard_gamma, torch._sample_dirichlet)
+
+
+def default_device_is_cpu() -> bool:
+    """Whether torch's default device is the CPU here, as ``torch.get_default_device()`` says.
+
+    Its answer without its cost where nothing was set: no torch function mode is active in
+    this thread (a ``with torch.device(...)`` is one) and no default device was set.
+    """
+    if (
+        _function_modes is not None
+        and _function_modes() == 0
+        and getattr(_device_context, "device_context", None) is None
+    ):
+        return True
+    return torch.get_default_device().type == "cpu"
+
+
+#: How many torch function modes this thread has active (None where torch lacks it).
+_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
+#: torch's thread-local holder of the default device ``torch.set_default_device`` set; one
+#: object for the process's life (torch sets its attribute, never the name again).
+_device_context = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
 
 
 def live_iterator(loader: object) -> object | None:

@@ -41,31 +41,46 @@ import functools
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._torch_compat import PRIVATE_SAMPLERS
+from .._torch_compat import PRIVATE_SAMPLERS, default_device_is_cpu
 
 
 class SampleRng:
     """One sample's random generators, as torch's thread-worker ``WorkerInfo.rng`` holds them.
 
-    Invariant: every generator is seeded from ``seed`` alone, and the NumPy ones are made on
-    first use (most samples never draw from NumPy, and a ``RandomState`` costs tens of us).
+    Invariant: every generator is seeded from ``seed`` alone, each made on first use (most
+    samples draw from one or two of them, if any; a ``RandomState`` costs tens of us, the
+    others a few, all of it holding the GIL while the other loading threads wait for it).
     """
 
-    __slots__ = ("_legacy", "_numpy", "random_generator", "seed", "torch_generator")
+    __slots__ = ("_legacy", "_numpy", "_random", "_torch", "seed")
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.torch_generator = torch.Generator().manual_seed(seed)
-        self.random_generator = random.Random(seed)
+        self._torch: torch.Generator | None = None
+        self._random: random.Random | None = None
         self._numpy: Any = None
         self._legacy: Any = None
+
+    @property
+    def torch_generator(self) -> torch.Generator:
+        """A CPU ``torch.Generator`` seeded with ``seed``."""
+        if self._torch is None:
+            self._torch = torch.Generator().manual_seed(self.seed)
+        return self._torch
+
+    @property
+    def random_generator(self) -> random.Random:
+        """A ``random.Random`` seeded with ``seed``."""
+        if self._random is None:
+            self._random = random.Random(self.seed)
+        return self._random
 
     @property
     def numpy_generator(self) -> Any:
@@ -96,21 +111,40 @@ class _Here(threading.local):
 _here = _Here()
 
 
-@contextmanager
-def routed(rng: SampleRng) -> Iterator[None]:
+def routed(rng: SampleRng) -> AbstractContextManager[None]:
     """Meanwhile, in this thread only, the global random entry points draw from ``rng``.
 
     Nested, the inner ``rng`` applies until it ends. :func:`install` must have run (the
     module functions of ``random`` and ``np.random``); NumPy imported since is installed here.
     """
-    if _numpy_pending():
-        install()
-    before, _here.rng = _here.rng, rng
-    try:
-        with _OwnTorch():
-            yield
-    finally:
-        _here.rng = before
+    return _Routed(rng)
+
+
+class _Routed:
+    """:func:`routed`'s context: a class, as entered once a sample (a generator's costs more)."""
+
+    __slots__ = ("before", "mode", "rng")
+
+    def __init__(self, rng: SampleRng) -> None:
+        self.rng = rng
+        self.before: SampleRng | None = None
+        self.mode = _OwnTorch()
+
+    def __enter__(self) -> None:
+        if _numpy_pending():
+            install()
+        self.before, _here.rng = _here.rng, self.rng
+        try:
+            self.mode.__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            _here.rng = self.before
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.mode.__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            _here.rng = self.before
 
 
 def current() -> SampleRng | None:
@@ -173,12 +207,12 @@ class _OwnTorch(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if func in _TAKE_GENERATOR and kwargs.get("generator") is None:
+        # Kept short: it runs for every torch call a sample makes, holding the GIL.
+        if func in _TAKE_GENERATOR and (not kwargs or kwargs.get("generator") is None):
             rng = _here.rng
-            if rng is not None and _routable(args, kwargs):
-                kwargs = {**kwargs, "generator": rng.torch_generator}
-        return func(*args, **kwargs)
+            if rng is not None and _routable(args, kwargs or {}):
+                return func(*args, **{**(kwargs or {}), "generator": rng.torch_generator})
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def _routable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -187,18 +221,26 @@ def _routable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     Not where a generator was given by position; only where the op draws for CPU tensors
     (the sample's generator is a CPU one). Its tensor may come by position or by keyword
     (``nn.init`` passes ``tensor=``); a factory's device is its ``device=``, else torch's
-    default device.
+    default device. Asked at each random call a sample makes: kept to a few checks.
     """
-    values = (*args, *kwargs.values())
-    if any(isinstance(v, torch.Generator) for v in values):
-        return False  # torch.poisson(rates, g): the caller's generator, by position
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.device.type == "cpu"
+    tensor = None
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if type(value) in _PLAIN:
+            continue  # the usual sizes and bounds: no isinstance (torch's types ask Python)
+        if isinstance(value, torch.Generator):
+            return False  # torch.poisson(rates, g): the caller's generator, by position
+        if tensor is None and isinstance(value, torch.Tensor):
+            tensor = value
+    if tensor is not None:
+        return bool(tensor.is_cpu)
     device = kwargs.get("device")
     if device is None:
-        device = torch.get_default_device()
+        return default_device_is_cpu()
     return torch.device(device).type == "cpu"
+
+
+#: Types of arguments that are neither a generator nor a tensor, passed over at once.
+_PLAIN = frozenset((int, float, bool, tuple, list, str, type(None), torch.Size, torch.dtype))
 
 
 #: Whether :func:`install` replaced ``random``'s functions, and NumPy's (once imported).

@@ -29,16 +29,21 @@ Invariants:
       draws stay in the plain loop's order. On a ``trial()`` (not known yet whether they
       escape) the batch's first sample is fetched that way and judged: it drew from a global
       generator, the rest follow it that way; it did not, the threads fetch the rest (and the
-      next batches, N samples at most), all of them returned before ``next()`` returns, so
-      that the pull's own judgement covers them. No generator is ever put back: another
+      next batches, N samples in all at most), all of them returned before ``next()``
+      returns, so that the pull's own judgement covers them. No generator is ever put back: another
       thread's draws are never drawn again.
     * At most ``room()`` batches beyond the one asked for are started to fill the
       prefetcher's free slots (so that those batches stay within ``depth``). Beyond them,
-      while fewer than N samples are in flight (queued or being fetched), the following
-      batches are started too, so that N threads fetch whenever N samples are wanted, also
-      with batches smaller than N (``batch_size=1``): those batches hold N samples at most
-      in all. So what is started and not handed out stays within ``depth`` batches plus N
-      samples (while ``inline()``, only on a trial: :meth:`ThreadedEpoch._start_on_trial`).
+      the samples of the following batches are started too, ``AHEAD_PER_THREAD * N`` in all
+      (the last such batch in part, the rest of it when it is asked for or has room), so
+      that N threads fetch while the batch asked for is collated and handed over, and
+      whenever N samples are wanted, also with batches smaller than N (``batch_size=1``).
+      So what is started and not handed out stays within ``depth`` batches plus
+      ``AHEAD_PER_THREAD * N`` samples (while ``inline()``, N samples, only on a trial:
+      :meth:`ThreadedEpoch._start_on_trial`).
+    * The thread that asks for a batch is woken once it is all loaded (or to check a
+      ``timeout=``, an exit, a stuck thread), not once a sample: each wake-up takes the GIL
+      from a loading thread.
     * An error of the sampler itself comes after the batches it drew before it, as the
       DataLoader's does, and ends the epoch.
     * The look-ahead never asks the sampler past its ``len()``: asking for the end has effects
@@ -65,7 +70,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sized
-from concurrent.futures import Future
+from concurrent.futures import ALL_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
@@ -99,6 +104,13 @@ STALE_S = 0.5
 #: one GIL; past about the cores (more for I/O-bound samples) they only add switching.
 #: ``nostall.tune`` tries counts up to this.
 MAX_THREADS = 256
+
+#: Samples per loading thread started beyond the batches the prefetcher has room for. While
+#: the thread that asked for a batch collates it and hands it over (milliseconds for a batch
+#: of images, longer while the loading threads take the cores), each loading thread has these
+#: to fetch instead of waiting for the next ask. One left them idle about a tenth of the
+#: time on the bench's JPEG batches; two kept them busy (docs/benchmarks.md).
+AHEAD_PER_THREAD = 2
 
 #: ``ThreadedEpoch.drawn`` when no batch's indices are drawn and not started.
 _NONE: Any = object()
@@ -141,14 +153,21 @@ class _InStep(SampleFuture):
 
 
 class _Batch:
-    """A batch started and not handed out: its samples' futures, and the trial it was on."""
+    """A batch started and not handed out: its samples' futures, and the trial it was on.
 
-    __slots__ = ("futures", "index", "number", "samples", "trial")
+    Invariant: ``unstarted`` is 0 but for the last batch started, which may have been
+    started in part for threads that would be idle: its ``futures`` are then those of its
+    first ``samples - unstarted`` samples, in their order, and :meth:`ThreadedEpoch._fill`
+    submits the rest before any later batch's (the pool's queue stays in sampler order).
+    """
+
+    __slots__ = ("futures", "index", "number", "samples", "trial", "unstarted")
 
     def __init__(self, futures: list[Future[Any]], samples: int, index: Any, number: int) -> None:
         self.futures = futures
         self.samples, self.index, self.number = samples, index, number
         self.trial: Trial | None = None  # the trial it was started on, until awaited
+        self.unstarted = 0  # its samples not submitted yet (see the invariant)
 
 
 class ThreadedEpoch(Iterator[Any]):
@@ -215,6 +234,8 @@ class ThreadedEpoch(Iterator[Any]):
             trial = self.trial() if self.timeout is None else None  # see _await_trial
         if not self.pending and not self._start_next(trial):
             raise StopIteration
+        if self.pending[0].unstarted:
+            self._fill(self.pending[0])  # the batch asked for: every sample, now
         while (
             not self.exhausted
             and len(self.pending) - 1 < self.room()
@@ -228,8 +249,7 @@ class ThreadedEpoch(Iterator[Any]):
             self._start_for_idle_threads()
         started = self.pending[0]
         futures = started.futures
-        for future in futures:
-            self._wait(future)  # a timeout raised here keeps the batch's turn
+        self._wait_all(futures)  # a timeout raised here keeps the batch's turn
         self.pending.popleft()
         samples = [self._result(f) for f in futures]  # the first failed sample's error, if any
         with routed(SampleRng(sample_seed(self.base_seed, started.number, COLLATE))):
@@ -264,8 +284,26 @@ class ThreadedEpoch(Iterator[Any]):
                 f"while {getattr(future, 'sample', 'a sample')} of its batch was to load"
             ) from None
 
-    def _wait(self, future: Future[Any]) -> None:
+    def _wait_all(self, futures: list[Future[Any]]) -> None:
+        """Wait for each of ``futures`` in turn, woken once they are all done (see :meth:`_wait`).
+
+        One wake-up of this thread for the batch, not one a sample: each wake-up takes the GIL
+        from a loading thread. Samples loaded in step are started and waited for one by one.
+        """
+        if any(isinstance(f, _InStep) for f in futures):
+            for future in futures:
+                self._wait(future)
+            return
+        left = [f for f in futures if not f.done()]
+        while left:
+            self._wait(left[0], left)
+            left = [f for f in left if not f.done()]
+
+    def _wait(self, future: Future[Any], together: list[Future[Any]] | None = None) -> None:
         """Wait for ``future`` in slices (an exit interrupt gets through); start it if in step.
+
+        ``together``: futures (``future`` among them) whose completion ends a slice early only
+        when all are done; without them, ``future``'s alone.
 
         Raises:
             RuntimeError: the loader's ``timeout`` passed first, as a DataLoader's workers
@@ -276,8 +314,9 @@ class ThreadedEpoch(Iterator[Any]):
         if not future.done():
             start = time.monotonic()
             self.waiting = (future, getattr(future, "sample", "a sample"))
+            watched = [future] if together is None else together
             try:
-                while not futures_wait([future], POLL_S).done:
+                while futures_wait(watched, POLL_S, ALL_COMPLETED).not_done and not future.done():
                     if not future.running() and time.monotonic() - start >= STALE_S:
                         self.pool.free_dropped()  # behind a dropped epoch's stuck sample?
                     if self.timeout is not None and time.monotonic() - start >= self.timeout:
@@ -324,30 +363,54 @@ class ThreadedEpoch(Iterator[Any]):
             spare -= samples
 
     def _start_for_idle_threads(self) -> None:
-        """Start the batches after the room's while a thread would have no sample to fetch.
+        """Start samples after the room's batches, for threads that would otherwise idle.
 
-        One more is started while fewer than N (``pool.size``) samples are in flight and the
-        batches past the room's, with it, hold at most N samples: with ``batch_size=1`` and
-        ``depth=2``, N = 6 threads fetch 6 samples at once, not ``depth + 1``. Never past the
-        sampler's ``len()``, nor while the samples are loaded in step (``inline()``: they
-        would be loaded now, in this thread, ahead of the loop's own draws; a trial starts
-        its own: :meth:`_start_on_trial`).
+        N is ``pool.size``. Without them, the threads would wait from the last sample of the
+        batch asked for until the next ``next()`` (the collate, the hand-over, the loop's turn:
+        milliseconds a batch); with them, ``AHEAD_PER_THREAD * N`` samples of the following
+        batches are queued behind: with ``batch_size=1`` and ``depth=2``, N = 6 threads fetch
+        6 samples at once, not ``depth + 1``; with batches larger than that, the next batch
+        is started in part (:class:`_Batch`). Never past the sampler's ``len()``, nor while
+        the samples are loaded in step (``inline()``: they would be loaded now, in this
+        thread, ahead of the loop's own draws; a trial starts its own:
+        :meth:`_start_on_trial`).
         """
         if self.inline():
             return
-        size = self.pool.size
-        spare = size - sum(b.samples for b in itertools.islice(self.pending, self.room() + 1, None))
-        while (
-            spare > 0
-            and self.pool.in_flight() < size
-            and (self.length is None or self.batch < self.length)
-        ):
+        room = self.room()
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last.unstarted and len(self.pending) - 1 <= room:
+            self._fill(last)  # within the room's batches now: whole
+        beyond = itertools.islice(self.pending, room + 1, None)
+        spare = AHEAD_PER_THREAD * self.pool.size - sum(b.samples - b.unstarted for b in beyond)
+        if last is not None and last.unstarted and spare > 0:
+            spare -= self._fill(last, spare)
+        while spare > 0 and (self.length is None or self.batch < self.length):
             index = self._peek()
+            if index is _NONE:
+                return  # the end, or the sampler's error (queued)
             samples = self._samples(index)
-            if index is _NONE or samples > spare:
-                return  # the end, the sampler's error (queued), or a batch too big to fit
-            self._start_next()
-            spare -= samples
+            if samples > spare and not self._divisible():
+                return  # one fetch for the whole batch (__getitems__): it waits its turn
+            self._start_next(part=spare)
+            spare -= min(samples, spare)
+
+    def _divisible(self) -> bool:
+        """A batch's samples are fetched one by one (so a batch may be started in part)."""
+        return self.auto and self.getitems is None
+
+    def _fill(self, batch: _Batch, most: int | None = None) -> int:
+        """Submit the next of ``batch``'s samples not submitted yet (``most`` at most).
+
+        Returns how many were submitted. ``batch`` is the last one started (see :class:`_Batch`).
+        """
+        start = batch.samples - batch.unstarted
+        stop = batch.samples if most is None else min(batch.samples, start + most)
+        fetch = self.dataset.__getitem__
+        for k in range(start, stop):
+            batch.futures.append(self._submit(fetch, batch.index[k], batch.number, k, False))
+        batch.unstarted = batch.samples - stop
+        return stop - start
 
     def _samples(self, index: Any) -> int:
         """The samples in the batch of ``index`` (more than any pool when it cannot tell)."""
@@ -377,8 +440,15 @@ class ThreadedEpoch(Iterator[Any]):
             self.pending.append(_Batch([failed], 0, None, self.batch))
         return self.drawn
 
-    def _start_next(self, trial: Trial | None = None) -> bool:
-        """Queue the next batch's samples (on ``trial``, if any); False at the sampler's end."""
+    def _start_next(self, trial: Trial | None = None, *, part: int | None = None) -> bool:
+        """Queue the next batch's samples (on ``trial``, if any); False at the sampler's end.
+
+        ``part``: at most that many of its samples, the rest left to :meth:`_fill` (only
+        where :meth:`_divisible`, not on a trial, not in step). A batch started in part
+        before is filled first: the pool's queue stays in sampler order.
+        """
+        if self.pending and self.pending[-1].unstarted:
+            self._fill(self.pending[-1])
         before = len(self.pending)
         index = self._peek()
         if index is _NONE:
@@ -386,8 +456,15 @@ class ThreadedEpoch(Iterator[Any]):
         self.drawn = _NONE
         batch, self.batch = self.batch, self.batch + 1
         here = trial is None and self.inline()
+        samples = self._samples(index)
+        if part is not None and part < samples and trial is None and not here and self._divisible():
+            started = _Batch([], samples, list(index), batch)
+            started.unstarted = samples
+            self.pending.append(started)
+            self._fill(started, part)
+            return True
         futures = self._submit_batch(index, batch, here, trial)
-        started = _Batch(futures, self._samples(index), index, batch)
+        started = _Batch(futures, samples, index, batch)
         started.trial = trial
         self.pending.append(started)
         return True
