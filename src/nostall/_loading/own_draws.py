@@ -259,7 +259,9 @@ def install() -> None:
             _replace(random, random._inst, lambda rng: rng.random_generator)
             _installed["random"] = True
         numpy: Any = sys.modules.get("numpy")
-        mtrand = getattr(getattr(numpy, "random", None), "mtrand", None)
+        # Only once NumPy's random module was imported by someone: asking numpy.random for it
+        # would import it (tens of ms), and routed() installs it once it appears.
+        mtrand = sys.modules.get("numpy.random.mtrand")
         if not _installed["numpy"] and getattr(mtrand, "_rand", None) is not None:
             _replace(numpy.random, numpy.random.mtrand._rand, _legacy)
             # Module functions of NumPy's that draw from the same state without being its
