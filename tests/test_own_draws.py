@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -211,3 +213,27 @@ def test_the_routing_functions_pickle_as_the_originals_do() -> None:
         assert function is pickle.loads(pickle.dumps(function))
     scaled = pickle.loads(pickle.dumps(functools.partial(np.random.uniform, 0.0)))
     assert 0.0 <= scaled(1.0) < 1.0
+
+
+def test_a_samples_first_numpy_draw_is_routed_where_numpy_random_was_not_imported_yet() -> None:
+    """A first routed draw is the sample's own where numpy.random was not imported yet.
+
+    In a fresh process where NumPy is imported and its random module is not (NumPy 2 loads it
+    lazily): left to be imported inside the first sample, its draws went to NumPy's global
+    generator.
+    """
+    program = (
+        "import sys, numpy as np, torch\n"
+        "assert 'numpy.random.mtrand' not in sys.modules\n"
+        "from nostall._loading.own_draws import SampleRng, install, routed\n"
+        "install()\n"
+        "with routed(SampleRng(1)):\n"
+        "    a = np.random.rand()\n"
+        "with routed(SampleRng(1)):\n"
+        "    b = np.random.rand()\n"
+        "print(a == b)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert (0, "True") == (out.returncode, out.stdout.strip()), out.stderr

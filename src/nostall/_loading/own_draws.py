@@ -259,9 +259,9 @@ def install() -> None:
             _replace(random, random._inst, lambda rng: rng.random_generator)
             _installed["random"] = True
         numpy: Any = sys.modules.get("numpy")
-        # Only once NumPy's random module was imported by someone: asking numpy.random for it
-        # would import it (tens of ms), and routed() installs it once it appears.
-        mtrand = sys.modules.get("numpy.random.mtrand")
+        # numpy.random is imported here if NumPy is (once, tens of ms): left to be imported
+        # lazily inside a sample, that sample's first draws would reach the originals.
+        mtrand = getattr(getattr(numpy, "random", None), "mtrand", None)
         if not _installed["numpy"] and getattr(mtrand, "_rand", None) is not None:
             _replace(numpy.random, numpy.random.mtrand._rand, _legacy)
             # Module functions of NumPy's that draw from the same state without being its
