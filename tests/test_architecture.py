@@ -58,8 +58,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     # The public transforms (on the device: cuda's uploads).
     "transforms": frozenset({"cuda"}),
     # nostall.bench: contenders run through the facade and measured with the toolkit; the
-    # warning of a source's draws, which a trial expects of its augmented workload.
-    "bench": frozenset({"facade", "_engine", "_sources", "cuda"}),
+    # warning of a source's draws, which a trial expects of its augmented workload; the
+    # transforms of the contender that decodes on the device.
+    "bench": frozenset({"facade", "_engine", "_sources", "cuda", "transforms"}),
     # doctor, tune, trial, thread safety, specs, the CLI: they run the facade.
     "_tools": frozenset(
         {"nostall", "bench", "facade", "_engine", "_epochs", "_loading", "_sources", "_staging"}

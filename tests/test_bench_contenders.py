@@ -11,7 +11,7 @@ from helpers import assert_same_batches, wait_for_no_nostall_threads
 from torch.utils.data import DataLoader
 
 from nostall.bench import _contenders as c
-from nostall.bench._workloads import SyntheticImages
+from nostall.bench._workloads import JpegImages, SyntheticImages, jpeg_files
 
 CPU = torch.device("cpu")
 
@@ -25,7 +25,9 @@ def sources() -> c.Sources:
     )
 
 
-@pytest.mark.parametrize("contender", c.chosen((), CPU, c.ALL), ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "contender", [k for k in c.chosen((), CPU, c.ALL) if k is not c.DECODE], ids=lambda k: k.name
+)
 def test_contender_yields_the_loaders_batches_every_epoch(
     contender: c.Contender, sources: c.Sources
 ) -> None:
@@ -36,6 +38,21 @@ def test_contender_yields_the_loaders_batches_every_epoch(
         assert_same_batches(expected, loop)
     if callable(close := getattr(loop, "close", None)):
         close()
+    assert [] == wait_for_no_nostall_threads()
+
+
+def test_the_decode_on_the_device_reads_the_trials_files(tmp_path: Path) -> None:
+    """Over a JpegImages: its files' bytes, decoded and augmented to its size, its labels."""
+    paths = jpeg_files(str(tmp_path), 5)
+    data = JpegImages(paths, 24, length=7)  # past the files: cycled, as the trial's
+    sources = c.Sources(DataLoader(data, batch_size=3), DataLoader(data, batch_size=3))
+    loop = c.DECODE.make(sources, CPU, 2)
+    for _ in range(2):
+        batches = list(loop)
+        assert [b[1].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
+        assert [tuple(b[0].shape) for b in batches] == [(3, 3, 24, 24)] * 2 + [(1, 3, 24, 24)]
+        assert all(b[0].dtype == torch.float32 for b in batches)
+    loop.close()  # type: ignore[attr-defined]
     assert [] == wait_for_no_nostall_threads()
 
 

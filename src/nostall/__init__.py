@@ -42,6 +42,7 @@ from typing import Any as _Any
 
 from ._exceptions import (
     DeviceUnavailableError,
+    ImageDecodeError,
     NostallError,
     PrefetcherClosedError,
     PrefetchTimeoutError,
@@ -61,6 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeviceUnavailableError",
+    "ImageDecodeError",
     "NostallError",
     "PrefetchTimeoutError",
     "Prefetcher",
@@ -124,8 +126,14 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-for _name in ("DeviceUnavailableError", "NostallError", "PrefetchTimeoutError"):
-    _public(globals()[_name])
-for _name in ("PrefetcherClosedError", "ProducerDiedError", "ProfilingDisabledError"):
+for _name in (
+    "DeviceUnavailableError",
+    "ImageDecodeError",
+    "NostallError",
+    "PrefetchTimeoutError",
+    "PrefetcherClosedError",
+    "ProducerDiedError",
+    "ProfilingDisabledError",
+):
     _public(globals()[_name])
 del _name

@@ -10,7 +10,8 @@ catch it::
         ├── PrefetcherClosedError    (also RuntimeError)  iterating after close() or a newer iter()
         ├── ProfilingDisabledError   (also RuntimeError)  report() on a prefetcher not profiling
         ├── ProducerDiedError        (also RuntimeError)  the producer thread ended without a word
-        └── PrefetchTimeoutError     (also TimeoutError)  one batch took longer than ``timeout``
+        ├── PrefetchTimeoutError     (also TimeoutError)  one batch took longer than ``timeout``
+        └── ImageDecodeError         (also ValueError)    an encoded image that no decoder reads
 
 The last two carry what a program needs to react without parsing the message: the batch
 waited for, what the producer was doing, its thread's name (and the timeout). They survive
@@ -88,6 +89,19 @@ class PrefetchTimeoutError(NostallError, TimeoutError):
     ) -> None:
         super().__init__(message)
         self.timeout, self.batch, self.phase, self.thread = timeout, batch, phase, thread
+
+
+class ImageDecodeError(NostallError, ValueError):
+    """An image of a batch could not be decoded, by the device's decoder nor by the CPU's.
+
+    Attributes:
+        index: the image's position in its batch.
+        name: the name it was read under (its path), or ``''``.
+    """
+
+    def __init__(self, message: str, *, index: int | None = None, name: str = "") -> None:
+        super().__init__(message)
+        self.index, self.name = index, name
 
 
 class ConfigurationError(NostallError, ValueError):

@@ -18,7 +18,9 @@ helper (:func:`pinning_like`); it gives each loading thread its own ``get_worker
 (:func:`answer_worker_info_per_thread`, :func:`loading_thread_info`), which means replacing
 torch's function process-wide and building torch's private ``WorkerInfo``. ``collate_uint8``
 builds a batch in shared memory in a DataLoader worker as ``default_collate`` does, with the
-private ``UntypedStorage._new_shared`` (:func:`empty_shared_uint8`).
+private ``UntypedStorage._new_shared`` (:func:`empty_shared_uint8`); ``collate_encoded``
+collates as ``default_collate`` with bytes packed its own way, through the private ``collate``
+and ``default_collate_fn_map`` that ``default_collate`` itself is made of (:func:`collate_with`).
 ``nostall.cuda.devices()`` asks CUDA for a device's free memory only where this process
 already has a context, which torch's private ``_cuda_hasPrimaryContext`` tells
 (:func:`has_cuda_context`). ``torch.distributions``' Gamma, Beta and Dirichlet draw through
@@ -48,6 +50,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import collate as collate_utils
 from torch.utils.data._utils import pin_memory as pin_memory_utils
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
@@ -349,3 +352,14 @@ def has_cuda_context(index: int) -> bool:
         return bool(probe(index))
     initialised = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     return bool(initialised and torch.cuda.current_device() == index)
+
+
+def collate_with(samples: Any, extra: dict[type, Callable[..., Any]]) -> Any:
+    """``default_collate(samples)``, with the fields of ``extra``'s types collated by its functions.
+
+    ``default_collate`` is torch's private ``collate`` with ``default_collate_fn_map`` (a type
+    to a function taking the list of fields and ``collate_fn_map=``); ``extra`` is merged over
+    it. Checked on :data:`CHECKED_TORCH`.
+    """
+    table: dict[Any, Callable[..., Any]] = {**collate_utils.default_collate_fn_map, **extra}
+    return collate_utils.collate(samples, collate_fn_map=table)

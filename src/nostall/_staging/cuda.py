@@ -50,6 +50,9 @@ class CudaStaging(Staging):
         * Every CUDA tensor of a handed-out batch is ``record_stream``-ed on the consumer's
           stream, and device inputs a transform reads on the copy stream are ``record_stream``-ed
           there, so the caching allocator never reuses memory another stream may still read.
+        * An object whose ``.to()`` returns one marked ``read_on_host = True`` (encoded images:
+          GPU decoders read their bytes in host memory) stays on the host, pinned; it holds
+          no device memory to protect.
         * ``non_blocking=True`` is used only from pinned memory, where it is truly asynchronous.
         * Nothing in staging makes the host wait for the device (no ``.item()``, no blocking
           or pageable copies) unless the user turned pinning off or a batch object cannot pin.
@@ -282,6 +285,8 @@ class CudaStaging(Staging):
                 moved = call_to(obj, device, False)
             else:
                 moved = call_to(pinned, device, True)
+            if getattr(moved, "read_on_host", False) is True:
+                return moved  # kept on the host by design (encoded images a decoder reads)
             seen = _unique(list(iter_tensors(moved)))
             found = [t for t in seen if t.is_cuda]
             before = len(_unique(list(iter_tensors(obj))))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.data import DataLoader
 
 from .._prefetcher import prefetch
 from ..cuda._transfer import to_device
@@ -37,12 +38,16 @@ class Contender:
     requires: str | None = None  # a peer's module
     cuda_only: bool = False
     prefetcher: bool = False
+    requires_on_cuda: str | None = None  # a module it needs on CUDA only
 
     def available(self, device: torch.device) -> bool:
         """Whether this contender can run here."""
         if self.cuda_only and device.type != "cuda":
             return False
-        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+        needed = self.requires_on_cuda if device.type == "cuda" else None
+        return all(
+            m is None or importlib.util.find_spec(m) is not None for m in (self.requires, needed)
+        )
 
 
 class Reiterable:
@@ -121,6 +126,30 @@ def _torchdata_nodes(sources: Sources, device: torch.device, depth: int) -> Reit
     return moved(loader, device, cuda)  # torchdata.nodes has no device transfer
 
 
+def _decode_on_device(sources: Sources, device: torch.device, depth: int) -> Any:
+    """The JPEGs' bytes batched, decoded and augmented where the batch goes (nvJPEG on CUDA).
+
+    Over the files of the trial's dataset (a ``JpegImages``, read through the serial loader's
+    ``dataset``): the loader reads bytes, ``DecodeJPEG`` decodes on the copy stream, then the
+    crops (35-100% of the area, as the workload's) and flips of ``nostall.transforms``.
+    """
+    from .. import transforms as T
+
+    images = sources.serial.dataset  # type: ignore[attr-defined]
+    count, size = len(images.paths), images.size
+    files = T.ImageBytes([(images.paths[i % count], i % 10) for i in range(len(images))])
+    batch_size = sources.serial.batch_size  # type: ignore[attr-defined]
+    loader = DataLoader(files, batch_size=batch_size, collate_fn=T.collate_encoded)
+    pipeline = T.Compose(
+        [
+            T.DecodeJPEG(),
+            T.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True),
+            T.RandomHorizontalFlip(),
+        ]
+    )
+    return prefetch(loader, device, depth=depth, transform=pipeline)
+
+
 SERIAL = Contender("serial DataLoader", lambda s, d, _: moved(s.serial, d, False))
 BEST = Contender("best-practice DataLoader", lambda s, d, _: moved(s.workers, d, d.type == "cuda"))
 SEED = Contender("seed thread+Queue(2)", _seed, prefetcher=True)  # unsafe on CUDA
@@ -131,6 +160,8 @@ TORCHDATA = Contender("torchdata.nodes", _torchdata_nodes, "torchdata", prefetch
 LOOKAHEAD = Contender("timm-style lookahead", _lookahead, cuda_only=True)
 NOSTALL = Contender("nostall", lambda s, d, n: prefetch(s.serial, d, depth=n), prefetcher=True)
 NOSTALL_WORKERS = Contender("nostall + workers", lambda s, d, n: prefetch(s.workers, d, depth=n))
+#: JPEG trials only: it reads the files of the trial's ``JpegImages``.
+DECODE = Contender("nostall DecodeJPEG", _decode_on_device, requires_on_cuda="torchvision")
 
 
 def usable_cores() -> int:
@@ -155,10 +186,10 @@ NOSTALL_THREADS_2X = Contender(
 
 #: Every contender, in the order tables list them.
 ALL: tuple[Contender, ...] = (SERIAL, BEST, SEED, PREFETCH_GENERATOR, TORCHDATA, LOOKAHEAD)
-ALL += (NOSTALL, NOSTALL_WORKERS, NOSTALL_THREADS, NOSTALL_THREADS_2X)
+ALL += (NOSTALL, NOSTALL_WORKERS, NOSTALL_THREADS, NOSTALL_THREADS_2X, DECODE)
 #: The contenders of the CPU-step trials: all but the doubled threads, which there take the
-#: step's own cores.
-CPU_STEP = tuple(k for k in ALL if k is not NOSTALL_THREADS_2X)
+#: step's own cores, and the decode on the device, which runs in the augmented JPEG trial.
+CPU_STEP = tuple(k for k in ALL if k not in (NOSTALL_THREADS_2X, DECODE))
 #: The GPU-regime trial's (the step waits for the device): the loaders a GPU user picks from.
 GPU_REGIME: tuple[Contender, ...] = (SERIAL, BEST, PREFETCH_GENERATOR, TORCHDATA, NOSTALL)
 GPU_REGIME += (NOSTALL_WORKERS, NOSTALL_THREADS, NOSTALL_THREADS_2X)

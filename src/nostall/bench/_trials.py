@@ -181,8 +181,10 @@ def run_bench(
     result = BenchResult(config, machine, {"start": list(os.getloadavg())})
     contenders = c.chosen(config.contenders, device)
     regime = c.chosen(config.contenders, device, c.GPU_REGIME) if config.regime_batches else []
+    # The augmented JPEG trial adds the decode on the device to the contenders.
+    decode = c.chosen(config.contenders, device, (c.DECODE,)) if config.jpeg_images else []
     trials = len(config.ratios) + 2 * bool(config.jpeg_images)
-    total = trials * config.repeats * len(contenders)
+    total = (trials * len(contenders) + len(decode)) * config.repeats
     total += (1 + config.repeats) * len(regime)
     done = itertools.count(1)
 
@@ -225,7 +227,8 @@ def run_bench(
             with warnings.catch_warnings():  # nostall's warning of draws, said in the report
                 warnings.simplefilter("ignore", GlobalDrawsWarning)
                 setting = f"{s}px {AUGMENTED}"
-                epoch_trial(result, "jpeg", setting, augmented, step, contenders, advance, n)
+                everyone = [*contenders, *decode]
+                epoch_trial(result, "jpeg", setting, augmented, step, everyone, advance, n)
         handoff_trial(result, contenders)
         if config.convoy_batches:
             convoy_trial(result)

@@ -6,6 +6,9 @@ and these transforms run on the GPU, on the copy stream, before the consumer's s
 the batch, so they overlap the model's compute.
 
 Invariants:
+    * JPEGs can cross as their bytes and be decoded here: :class:`ImageBytes` reads the files,
+      :func:`collate_encoded` packs a batch's bytes, :class:`DecodeJPEG` decodes them (nvJPEG
+      on a GPU) into a list of images that :class:`RandomResizedCrop` makes one batch.
     * Each transform works on a whole batch (N, C, H, W) and touches only the part of the batch
       named by ``on`` (a key of a dict batch, an index of a tuple or list batch; a bare tensor
       batch is transformed whole). The rest of the batch, and its container type, is kept.
@@ -32,16 +35,23 @@ Invariants:
 
 from .._transform_state import StatefulTransform
 from ._base import Compose, Transform
+from ._decode import DecodeJPEG
+from ._encoded import EncodedImage, EncodedImages, ImageBytes, collate_encoded
 from ._random import RandomHorizontalFlip, RandomResizedCrop
 from ._tensors import ChannelsLast, Normalize, ToDtype
 
 __all__ = [
     "ChannelsLast",
     "Compose",
+    "DecodeJPEG",
+    "EncodedImage",
+    "EncodedImages",
+    "ImageBytes",
     "Normalize",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "StatefulTransform",
     "ToDtype",
     "Transform",
+    "collate_encoded",
 ]

@@ -13,6 +13,13 @@ from .. import _arguments as check
 Key = Hashable | int
 
 
+class Images(list):  # type: ignore[type-arg]
+    """A list of (C, H, W) images of any sizes (as DecodeJPEG gives them): one part of a batch.
+
+    A bare one is a batch of images, never a batch of parts such as ``[images, labels]``.
+    """
+
+
 class Transform:
     """A batch transform applied to the part of the batch named by ``on``.
 
@@ -23,16 +30,31 @@ class Transform:
     def __init__(self, on: Key | None = 0) -> None:
         self.on = _key(type(self).__name__, on)
 
+    #: What :meth:`apply` takes, in words (for errors): see :meth:`accepts`.
+    takes = "a tensor"
+
     def __call__(self, batch: Any) -> Any:
-        """Return ``batch`` with the selected tensor replaced by its transformed version."""
-        if isinstance(batch, torch.Tensor):
+        """Return ``batch`` with the selected part replaced by its transformed version.
+
+        A bare batch of what the transform takes (a tensor) is transformed whole; so is any
+        batch with ``on=None``. A list or tuple is taken whole only with ``on=None`` or when it
+        is an :class:`Images` list: otherwise it is a batch of parts, ``(images, labels)``.
+        """
+        whole = self.accepts(batch) and (
+            self.on is None or type(batch) is Images or not isinstance(batch, (list, tuple))
+        )
+        if whole:
             return self.apply(batch)
         if self.on is None:
             raise ValueError(
-                f"{type(self).__name__}(on=None) needs a tensor batch (got a "
+                f"{type(self).__name__}(on=None) needs {self.takes} as the batch (got a "
                 f"{type(batch).__name__}); pass on=KEY for a dict or on=INDEX for a tuple"
             )
-        return _replace(batch, self.on, self.apply, type(self).__name__)
+        return _replace(batch, self.on, self.apply, type(self).__name__, self)
+
+    def accepts(self, part: object) -> bool:
+        """Whether ``part`` is what :meth:`apply` works on: here a tensor."""
+        return isinstance(part, torch.Tensor)
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
         """Transform one batch tensor."""
@@ -63,7 +85,9 @@ class Transform:
         return f"{type(self).__name__}(on={self.on!r})"
 
 
-def _replace(batch: Any, key: Key, fn: Callable[[torch.Tensor], torch.Tensor], name: str) -> Any:
+def _replace(
+    batch: Any, key: Key, fn: Callable[[Any], Any], name: str, transform: Transform
+) -> Any:
     try:
         value = batch[key]
     except (KeyError, IndexError, TypeError) as e:
@@ -71,8 +95,10 @@ def _replace(batch: Any, key: Key, fn: Callable[[torch.Tensor], torch.Tensor], n
             f"{name}(on={key!r}) found nothing at {key!r} in a batch of type "
             f"{type(batch).__name__}; use on=KEY for a dict batch, on=INDEX for a tuple"
         ) from e
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name}(on={key!r}) needs a tensor there (got {type(value).__name__})")
+    if not transform.accepts(value):
+        raise ValueError(
+            f"{name}(on={key!r}) needs {transform.takes} there (got {type(value).__name__})"
+        )
     new = fn(value)
     if isinstance(batch, tuple):
         items = list(batch)
@@ -116,6 +142,12 @@ class Compose(Transform):
                 batch = transform(batch)
             return batch
         return super().__call__(batch)
+
+    takes = "the first transform's input"
+
+    def accepts(self, part: object) -> bool:
+        """With ``on``: whatever the first transform takes, but a dict, list or tuple batch."""
+        return not isinstance(part, (Mapping, list, tuple))
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
         """The pipeline on one tensor (with ``on``)."""

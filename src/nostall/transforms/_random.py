@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,7 +87,15 @@ class RandomResizedCrop(_Random):
     bilinear interpolation with pixel centres aligned (``align_corners=False``), computed in at
     least float32 and rounded to ``dtype`` once. The output is float (``dtype``); integer images
     are scaled to [0, 1], the range :class:`Normalize` expects of float input.
+
+    The images are a batch (N, C, H, W), or a list of (C, H, W) images of any sizes (as
+    :class:`DecodeJPEG` gives them), which become one batch; a list of images of one size
+    gives what their stacked batch gives. With ``antialias=True`` a crop larger than ``size`` is
+    low-pass filtered as it shrinks, as PIL's and torchvision's bilinear resize do (the crop
+    is taken whole, then resized with ``interpolate(..., antialias=True)``).
     """
+
+    takes = "a tensor, or a list of (C, H, W) images"
 
     def __init__(
         self,
@@ -97,10 +105,16 @@ class RandomResizedCrop(_Random):
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        antialias: bool = False,
         on: Key | None = 0,
     ) -> None:
         super().__init__(seed, on)
         self.size = check.size("RandomResizedCrop", "size", size)
+        if not isinstance(antialias, bool):
+            raise TypeError(
+                f"RandomResizedCrop(antialias=...) is True or False ({check.received(antialias)})"
+            )
+        self.antialias = antialias
         scale = check.pair("RandomResizedCrop", "scale", scale)
         ratio = check.pair("RandomResizedCrop", "ratio", ratio)
         if not (0 < scale[0] <= scale[1] <= 1) or not (0 < ratio[0] <= ratio[1]):
@@ -134,8 +148,14 @@ class RandomResizedCrop(_Random):
                 out[i] = torch.tensor([(height - side) // 2, (width - side) // 2, side, side])
         return out
 
-    def apply(self, images: torch.Tensor) -> torch.Tensor:
-        """Output (N, C, *size) in ``dtype``, in the input's memory format.
+    def accepts(self, part: object) -> bool:
+        """A tensor, or a list or tuple of tensors (images of any sizes)."""
+        if isinstance(part, (list, tuple)):
+            return bool(part) and all(isinstance(p, torch.Tensor) for p in part)
+        return isinstance(part, torch.Tensor)
+
+    def apply(self, images: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """Output (N, C, *size) in ``dtype``, in the input's memory format (NCHW for a list).
 
         ``grid_sample`` needs a float source and a sampling grid, and a whole batch of either
         can be several times the output (a 4x larger input area is 4x the output as float).
@@ -150,9 +170,16 @@ class RandomResizedCrop(_Random):
         375x500 -> 224 takes 3.3 MB of transients per image, 11 times that image's output:
         batches of 22 or more stay within half the output, smaller ones hold one image's.
         """
+        if not isinstance(images, torch.Tensor):
+            return self._apply_each(images)
         check_batch("RandomResizedCrop", images)
         n, channels, height, width = images.shape
         boxes = self.boxes(n, height, width)
+        if self.antialias:
+            out = self._empty(n, channels, images, memory_format(images))
+            for i, box in enumerate(boxes.tolist()):
+                out[i] = self._resize(images[i], box)
+            return out
         top, left, h, w = boxes.unbind(1)
         # Affine map from output to input in grid_sample's normalised coordinates.
         theta = torch.zeros(n, 2, 3, dtype=torch.float64)
@@ -169,19 +196,68 @@ class RandomResizedCrop(_Random):
         output_bytes = n * channels * out_h * out_w * self.dtype.itemsize
         per_image = (channels * height * width + out_h * out_w * (2 + channels)) * work.itemsize
         chunk = max(1, output_bytes // 2 // per_image)
-        out = torch.empty(
-            n,
-            channels,
-            out_h,
-            out_w,
-            dtype=self.dtype,
-            device=images.device,
-            memory_format=memory_format(images),
-        )
+        out = self._empty(n, channels, images, memory_format(images))
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
             out[start:stop] = self._sample(images[start:stop], theta[start:stop])
         return out
+
+    def _apply_each(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A list of (C, H, W) images: a box drawn per image, in order, each resized alone.
+
+        The boxes are drawn as for a batch (one image after the other from the generator),
+        so images of one size give their stacked batch's output. Transients: one image's.
+        """
+        first = images[0]
+        for i, image in enumerate(images):
+            if image.dim() != 3 or image.shape[0] != first.shape[0]:
+                raise ValueError(
+                    f"RandomResizedCrop takes a list of (C, H, W) images with the same C; image "
+                    f"{i} has shape {tuple(image.shape)}, image 0 {tuple(first.shape)}"
+                )
+            if image.device != first.device:
+                raise ValueError(
+                    f"RandomResizedCrop: image {i} is on {image.device}, image 0 on "
+                    f"{first.device}; pass images on one device"
+                )
+        out = self._empty(len(images), first.shape[0], first, torch.contiguous_format)
+        boxes = [self.boxes(1, *image.shape[-2:])[0] for image in images]
+        if self.antialias:
+            for i, (image, box) in enumerate(zip(images, boxes, strict=True)):
+                out[i] = self._resize(image, box.tolist())
+            return out
+        sizes = torch.tensor([image.shape[-2:] for image in images], dtype=torch.float64)
+        top, left, h, w = torch.stack(boxes).unbind(1)
+        height, width = sizes.unbind(1)
+        theta = torch.zeros(len(images), 2, 3, dtype=torch.float64)
+        theta[:, 0, 0] = w / width
+        theta[:, 0, 2] = (2 * left + w) / width - 1
+        theta[:, 1, 1] = h / height
+        theta[:, 1, 2] = (2 * top + h) / height - 1
+        work = torch.promote_types(self.dtype, torch.float32)
+        theta = upload(theta.to(work), first.device)  # one upload for the batch
+        for i, image in enumerate(images):
+            out[i] = self._sample(image[None], theta[i : i + 1])[0]
+        return out
+
+    def _empty(
+        self, n: int, channels: int, like: torch.Tensor, layout: torch.memory_format
+    ) -> torch.Tensor:
+        out_h, out_w = self.size
+        return torch.empty(
+            n, channels, out_h, out_w, dtype=self.dtype, device=like.device, memory_format=layout
+        )
+
+    def _resize(self, image: torch.Tensor, box: list[float]) -> torch.Tensor:
+        """One (C, H, W) image's ``box`` (top, left, height, width), resized with antialiasing."""
+        top, left, h, w = (int(v) for v in box)
+        work = torch.promote_types(self.dtype, torch.float32)
+        crop = image[None, :, top : top + h, left : left + w].to(work)
+        if not image.is_floating_point():
+            crop.mul_(1.0 / max_value(image.dtype))
+        return F.interpolate(
+            crop, size=self.size, mode="bilinear", align_corners=False, antialias=True
+        )[0]
 
     def _sample(self, images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         grid = F.affine_grid(

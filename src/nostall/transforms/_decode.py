@@ -1,0 +1,195 @@
+"""DecodeJPEG: a batch of encoded images decoded where the batch goes (nvJPEG on a GPU).
+
+Invariants:
+    * Image ``i`` of the output is image ``i`` of the batch, decoded to RGB: a (3, H, W) uint8
+      tensor on the batch's device (greyscale and CMYK images converted, as PIL's
+      ``convert("RGB")`` does). EXIF orientation is not applied (neither torchvision's decoder
+      nor PIL's ``open`` applies it).
+    * On CUDA the decoder runs with a stream of this transform's as the current stream (the
+      decode stream), so the images are allocated there; the stream that called (the copy
+      stream, in a prefetcher) then waits for the decode stream, and each image is
+      ``record_stream``-ed on it, so its memory is not reused while the transforms after the
+      decode still read it. Nothing here waits for the model's stream.
+    * torchvision's decoder makes the calling thread wait for its own stream (it ends with a
+      ``cudaStreamSynchronize``): the producer thread waits for the decode, never the model.
+      When it returns it has read the bytes.
+    * An image the device's decoder does not take (not a JPEG, or one it refuses) is decoded
+      by PIL on the host and copied to the device; one that PIL cannot read either raises
+      :class:`~nostall.ImageDecodeError`, naming its position in the batch and its file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._exceptions import ImageDecodeError
+from ..cuda._transfer import record_stream, upload
+from ._base import Images, Key, Transform
+from ._encoded import EncodedImages
+
+#: A decoder: the images' bytes (1-D uint8 host tensors) and a device -> (C, H, W) uint8 images
+#: there. On CUDA its work must be done, or queued on the current stream, when it returns.
+Decoder = Callable[[Sequence[torch.Tensor], torch.device], Sequence[torch.Tensor]]
+
+_DECODERS = ("auto", "nvjpeg", "pil")
+
+#: The first bytes of every JPEG file (start of image, then a marker).
+_JPEG_START = b"\xff\xd8\xff"
+
+
+class DecodeJPEG(Transform):
+    """Decode an :class:`~nostall.transforms.EncodedImages` batch on its device.
+
+    Returns a list of (3, H, W) uint8 RGB images (their sizes differ), which
+    :class:`RandomResizedCrop` turns into one batch. ``decoder`` is ``"auto"`` (nvJPEG through
+    torchvision's ``decode_jpeg`` on CUDA, PIL elsewhere), ``"nvjpeg"``, ``"pil"``, or a
+    callable taking the images' bytes (1-D uint8 host tensors) and the device and returning
+    the images there.
+
+    nvJPEG decodes a batch at once, on the hardware JPEG decoder where the GPU has one (A100,
+    H100, H200) and on the GPU's cores elsewhere; images it does not take (PNG, ...) are
+    decoded by PIL on the host and copied, one by one.
+    """
+
+    takes = "an EncodedImages batch"
+
+    def __init__(self, *, decoder: str | Decoder = "auto", on: Key | None = 0) -> None:
+        super().__init__(on)
+        if not callable(decoder) and decoder not in _DECODERS:
+            raise ValueError(
+                f"DecodeJPEG(decoder=...) is one of {', '.join(map(repr, _DECODERS))} or a "
+                f"function (got {decoder!r}); pass decoder='auto'"
+            )
+        self.decoder = decoder
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+
+    def accepts(self, part: object) -> bool:
+        """An :class:`EncodedImages` batch."""
+        return isinstance(part, EncodedImages)
+
+    def apply(self, images: Any) -> Images:  # type: ignore[override]
+        """The batch's images decoded on ``images.device``, in order (an :class:`Images` list)."""
+        if not isinstance(images, EncodedImages):
+            raise TypeError(
+                f"DecodeJPEG decodes an EncodedImages batch (got {type(images).__name__}); "
+                f"read files with ImageBytes and batch them with collate_encoded"
+            )
+        device = images.device
+        buffers = images.buffers()
+        if device.type != "cuda" or self.decoder == "pil":
+            return Images(_on(_pil(b, i, images.names[i]), device) for i, b in enumerate(buffers))
+        caller = torch.cuda.current_stream(device)
+        stream = self._stream(device, caller)
+        with torch.cuda.stream(stream):
+            out = self._decode(buffers, images.names, device)
+        _follow(caller, stream)
+        _keep(out, caller)
+        return Images(out)
+
+    def _decode(
+        self, buffers: list[torch.Tensor], names: Sequence[str], device: torch.device
+    ) -> list[torch.Tensor]:
+        decode = self.decoder if callable(self.decoder) else _nvjpeg
+        out: list[torch.Tensor | None] = [None] * len(buffers)
+        jpegs = [i for i, b in enumerate(buffers) if _starts_jpeg(b)]
+        try:
+            decoded = list(decode([buffers[i] for i in jpegs], device)) if jpegs else []
+        except Exception:  # one image it refuses fails the batch: each one alone, then PIL
+            decoded = []
+        if len(decoded) == len(jpegs):
+            for i, image in zip(jpegs, decoded, strict=True):
+                out[i] = image
+        else:
+            for i in jpegs:
+                try:
+                    out[i] = decode([buffers[i]], device)[0]
+                except Exception:
+                    out[i] = None
+        return [
+            image if image is not None else _on(_pil(buffers[i], i, names[i]), device)
+            for i, image in enumerate(out)
+        ]
+
+    def _stream(self, device: torch.device, caller: Any) -> Any:
+        """This transform's decode stream on ``device``: never the caller's own stream."""
+        with self._lock:
+            stream = self._streams.get(device)
+            while stream is None or stream == caller:  # streams come from a pool, round robin
+                stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._streams[device] = stream
+            return stream
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"on": self.on, "decoder": self.decoder}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(decoder=state["decoder"], on=state["on"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"DecodeJPEG(decoder={self.decoder!r}, on={self.on!r})"
+
+
+def _follow(caller: Any, stream: Any) -> None:
+    """The transforms after the decode run on ``caller``: after the decode's writes."""
+    caller.wait_stream(stream)
+
+
+def _keep(images: list[torch.Tensor], caller: Any) -> None:
+    """The images' memory (the decode stream's) is not reused until ``caller`` has read them."""
+    for image in images:
+        record_stream(image, caller)
+
+
+def _starts_jpeg(buffer: torch.Tensor) -> bool:
+    return buffer.numel() >= 3 and _bytes(buffer[:3]) == _JPEG_START
+
+
+def _bytes(buffer: torch.Tensor) -> bytes:
+    """A contiguous 1-D uint8 host tensor's bytes (one copy, without NumPy)."""
+    return ctypes.string_at(buffer.data_ptr(), buffer.numel()) if buffer.numel() else b""
+
+
+def _nvjpeg(buffers: Sequence[torch.Tensor], device: torch.device) -> Sequence[torch.Tensor]:
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError as e:
+        raise ImportError(
+            "DecodeJPEG on CUDA decodes with torchvision's nvJPEG decoder: install torchvision "
+            "for your torch (pip install torchvision), or pass DecodeJPEG(decoder='pil') to "
+            "decode on the CPU"
+        ) from e
+    return decode_jpeg(list(buffers), mode=ImageReadMode.RGB, device=device)  # type: ignore[no-any-return]
+
+
+def _pil(buffer: torch.Tensor, index: int, name: str) -> torch.Tensor:
+    """Image ``index`` decoded by PIL: a (3, H, W) uint8 RGB view of its HWC pixels."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError("DecodeJPEG decodes on the CPU with Pillow: pip install pillow") from e
+    try:
+        with Image.open(io.BytesIO(_bytes(buffer))) as image:
+            rgb = image.convert("RGB")
+    except Exception as e:
+        what = f"image {index} of the batch" + (f" ({name})" if name else "")
+        raise ImageDecodeError(
+            f"DecodeJPEG could not decode {what}, {buffer.numel()} bytes: {e}. The file is "
+            f"not a readable image (corrupt, truncated or not an image); remove or replace it "
+            f"(or re-save it, e.g. Image.open(path).convert('RGB').save(path, quality=95))",
+            index=index,
+            name=name,
+        ) from e
+    width, height = rgb.size
+    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+    return pixels.view(height, width, 3).permute(2, 0, 1)
+
+
+def _on(image: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return image if device.type == "cpu" else upload(image, device)

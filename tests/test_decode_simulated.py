@@ -1,0 +1,231 @@
+"""DecodeJPEG on the simulated CUDA (``tests/simcuda``): its streams, with a canary each.
+
+Two test doubles stand for GPU decoders; both decode with PIL (so the values are exact) and
+write the images on the device as a GPU decoder does:
+
+* :class:`SyncDecoder`, as torchvision's ``decode_jpeg(..., device="cuda")``: the images are
+  allocated on the current stream, written on the decoder's own stream, the host waits for
+  that stream (``cudaStreamSynchronize``), and the current stream waits for an event of it;
+* :class:`AsyncDecoder`: everything queued on the current stream, nothing waited for.
+
+Each protection of :class:`nostall.transforms.DecodeJPEG` removed must be flagged: the decode
+stream (without it the decoder's own stream writes memory the copy stream may still read),
+the copy stream's wait for the decode stream, and ``record_stream`` of the images for it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from simcuda import Kind, Simulation, simulated_cuda
+from simcuda._simulation import active
+from torch.utils.data import DataLoader
+
+import nostall
+from nostall import transforms as T
+from nostall.transforms import _decode
+
+SIZES = [(20, 24), (26, 18), (20, 24), (31, 29)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two classes of JPEGs of a few sizes (and one PNG, which nvJPEG does not take)."""
+    root = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for label in ("a", "b"):
+        (root / label).mkdir()
+        for i in range(6):
+            h, w = SIZES[i % len(SIZES)]
+            pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+            image = Image.frombytes("RGB", (w, h), bytes(pixels.flatten().tolist()))
+            if label == "b" and i == 3:
+                image.save(root / label / f"{i}.png")
+            else:
+                image.save(root / label / f"{i}.jpg", quality=90)
+    return root
+
+
+def _host(buffer: torch.Tensor) -> torch.Tensor:
+    with Image.open(io.BytesIO(bytes(buffer.tolist()))) as image:
+        rgb = image.convert("RGB")
+    pixels = torch.tensor(list(rgb.tobytes()), dtype=torch.uint8)
+    return pixels.view(rgb.size[1], rgb.size[0], 3).permute(2, 0, 1).contiguous()
+
+
+class SyncDecoder:
+    """torchvision's way: allocate on the current stream, write on its own, wait for it."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.calls = 0
+
+    def __call__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        self.calls += 1
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        current = torch.cuda.current_stream(device)
+        host = [_host(b) for b in buffers]
+        out = [torch.empty(h.shape, dtype=torch.uint8, device=device) for h in host]
+        with torch.cuda.stream(self.stream):
+            for o, h in zip(out, host, strict=True):
+                o.copy_(h.pin_memory(), non_blocking=True)
+        active().library_sync(self.stream)  # its cudaStreamSynchronize
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self.stream)
+        current.wait_event(done)
+        return out
+
+
+class AsyncDecoder:
+    """Queued on the current stream, returned at once."""
+
+    def __call__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        return [_host(b).pin_memory().to(device, non_blocking=True) for b in buffers]
+
+
+def _pipeline(decoder: Any) -> T.Compose:
+    return T.Compose(
+        [
+            T.DecodeJPEG(decoder=decoder),
+            T.RandomResizedCrop(12, seed=3),
+            T.RandomHorizontalFlip(seed=4),
+        ]
+    )
+
+
+def _loader(folder: Path) -> DataLoader[Any]:
+    return DataLoader(T.ImageBytes(folder), batch_size=3, collate_fn=T.collate_encoded)
+
+
+def _model(batch: Any) -> torch.Tensor:
+    images, labels = batch
+    out: torch.Tensor = images.float().sum((1, 2, 3)) * 2 + labels
+    return out
+
+
+def _consume(sim: Simulation, batches: Any, consumer: str) -> list[torch.Tensor]:
+    stream = torch.cuda.Stream() if consumer == "side" else None  # type: ignore[no-untyped-call]
+    outs = []
+    with torch.cuda.stream(stream):
+        for batch in batches:
+            with sim.model_work():
+                outs.append(_model(batch))
+    torch.cuda.synchronize()
+    return [o.cpu() for o in outs]
+
+
+def _expected(folder: Path) -> list[torch.Tensor]:
+    pipeline = _pipeline("pil")
+    return [_model(pipeline(b)) for b in _loader(folder)]
+
+
+@pytest.fixture
+def sim() -> Iterator[Simulation]:
+    with simulated_cuda() as s:
+        yield s
+
+
+@pytest.mark.parametrize("consumer", ["default", "side"])
+@pytest.mark.parametrize("kind", [SyncDecoder, AsyncDecoder])
+def test_decoded_on_the_copy_stream_without_a_hazard(
+    sim: Simulation, folder: Path, kind: type, consumer: str
+) -> None:
+    """The values of the CPU pipeline; no missing wait, no reuse, no wait for the model."""
+    decoder = kind()
+    batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(decoder), timeout=30.0)
+    got = _consume(sim, batches, consumer)
+    want = _expected(folder)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert [] == sim.hazards
+    if isinstance(decoder, SyncDecoder):
+        assert decoder.calls == 4  # the PNG went to PIL; each batch decoded in one call
+
+
+def test_encoded_batches_stay_on_the_host_without_a_warning(sim: Simulation, folder: Path) -> None:
+    """Without a transform the consumer gets the bytes, on the host, to decode on cuda:0.
+
+    The canary: without ``read_on_host`` the staging warns that tensors are hidden from it.
+    """
+    import warnings
+
+    for marked in (True, False):
+        with pytest.MonkeyPatch.context() as m, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if not marked:
+                m.setattr(T.EncodedImages, "read_on_host", False)
+            batches = list(nostall.prefetch(_loader(folder), "cuda", timeout=30.0))
+        hidden = [w for w in seen if "cannot find all the tensors" in str(w.message)]
+        if marked:
+            assert [] == hidden
+            encoded = batches[0][0]
+            assert isinstance(encoded, T.EncodedImages)
+            assert encoded.device == torch.device("cuda", 0)
+            assert encoded.data.device.type == "cpu"
+            assert encoded.data.is_pinned()
+            assert batches[0][1].is_cuda
+        else:
+            assert hidden, "without read_on_host the staging should have warned"
+    assert [] == sim.hazards
+
+
+def _caller_stream(self: T.DecodeJPEG, device: torch.device, caller: Any) -> Any:
+    return caller
+
+
+CANARIES = [
+    # (what is removed, attribute of _decode or DecodeJPEG, replacement, decoder, hazard)
+    ("the decode stream", "_stream", _caller_stream, SyncDecoder, Kind.REUSE),
+    (
+        "the copy stream's wait",
+        "_follow",
+        lambda caller, stream: None,
+        AsyncDecoder,
+        Kind.UNORDERED,
+    ),
+    (
+        "record_stream for the copy stream",
+        "_keep",
+        lambda images, caller: None,
+        AsyncDecoder,
+        Kind.REUSE,
+    ),
+    (
+        "record_stream for the copy stream",
+        "_keep",
+        lambda images, caller: None,
+        SyncDecoder,
+        Kind.REUSE,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("removed", "name", "replacement", "kind", "hazard"),
+    CANARIES,
+    ids=[f"{c[0]}-{c[3].__name__}" for c in CANARIES],
+)
+def test_canary(
+    sim: Simulation,
+    monkeypatch: pytest.MonkeyPatch,
+    folder: Path,
+    removed: str,
+    name: str,
+    replacement: Any,
+    kind: type,
+    hazard: Kind,
+) -> None:
+    """Each protection removed is seen by the simulation."""
+    owner: Any = T.DecodeJPEG if name == "_stream" else _decode
+    monkeypatch.setattr(owner, name, replacement)
+    batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(kind()), timeout=30.0)
+    _consume(sim, batches, "side")
+    assert hazard in sim.kinds(), f"removing {removed} went unseen: {sim.hazards}"
