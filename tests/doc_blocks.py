@@ -8,10 +8,11 @@ own::
 
 A block uses what the README's ten lines import and assume (``torch``, ``nostall``,
 ``DataLoader``; ``dataset``, ``model``, ``optimizer``, ``epochs``) and what a page takes from
-the loop around it (``loader``, ``checkpoint``). This script makes small ones: 64 uint8 images
-of 3 x 32 x 32 with their labels, a linear model over the images' channel means, 2 epochs, a
-``DataLoader`` of 4 shuffled batches, and a checkpoint whose ``"data"`` is the state of a
-prefetcher over that loader after one batch.
+the loop around it (``loader``, ``checkpoint``, ``folder``). This script makes small ones: 64
+uint8 images of 3 x 32 x 32 with their labels, a linear model over the images' channel means,
+2 epochs, a ``DataLoader`` of 4 shuffled batches, a checkpoint whose ``"data"`` is the state of
+a prefetcher over that loader after one batch, and (for a block that names it) a ``folder`` of
+16 small JPEG files in two class folders, as torchvision's ``ImageFolder`` reads them.
 
 The blocks are written for a GPU (``device="cuda"``). Without ``--as-written`` every ``"cuda"``
 string in the block becomes ``"cpu"``, so that ``make test`` runs them on any machine; the
@@ -91,6 +92,20 @@ def yours(device: str) -> dict[str, Any]:
     }
 
 
+def image_folder() -> str:
+    """16 JPEG files of a few sizes in two class folders, in a temporary directory."""
+    import tempfile
+
+    from PIL import Image
+
+    root = Path(tempfile.mkdtemp(prefix="nostall-doc-images-"))
+    for i in range(16):
+        folder = root / ("cat", "dog")[i % 2]
+        folder.mkdir(exist_ok=True)
+        Image.effect_noise((40 + i, 30 + i % 3), 40).convert("RGB").save(folder / f"{i}.jpg")
+    return str(root)
+
+
 def main(argv: list[str]) -> None:
     page, index = ROOT / argv[0], int(argv[1])
     as_written = "--as-written" in argv[2:]
@@ -98,6 +113,8 @@ def main(argv: list[str]) -> None:
     if not as_written:
         block = block.replace('"cuda"', '"cpu"')
     names = yours("cuda" if as_written else "cpu")
+    if "folder" in block:
+        names["folder"] = image_folder()
     exec(compile(block, f"{page.name}, python block {index}", "exec"), names)
     batches = names.get("batches")
     if isinstance(batches, nostall.Prefetcher):
