@@ -35,6 +35,7 @@ SIMULATED = (
     "tests/test_staging_cuda.py",
     "tests/test_device.py",
     "tests/test_transforms.py",
+    "tests/test_decode_simulated.py",
 )
 
 
@@ -90,6 +91,13 @@ def plan(out: Path, *, suite: bool, workers: int) -> list[Step]:
             120,
             True,
             "normalising on the GPU against on the CPU: equal numbers, loader time",
+        ),
+        Step(
+            "gpu-decode",
+            ("benchmarks/gpu_decode.py", "--json", str(out / "gpu-decode.json")),
+            240,
+            True,
+            "JPEGs decoded by nvJPEG against the best-practice DataLoader: samples/s, cores",
         ),
         Step(
             "probes",

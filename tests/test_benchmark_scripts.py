@@ -78,6 +78,19 @@ def test_gpu_transforms_agree_and_are_measured() -> None:
     assert "largest difference between the two ways' first batches" in done.stdout
 
 
+def test_gpu_decode_measures_both_ways(tmp_path: Path) -> None:
+    """Samples/s and cores per 1,000 samples/s for the DataLoader and the decode on the device."""
+    out = tmp_path / "decode.json"
+    args = ["--ways", "dataloader:1,decode:0", "--images", "12", "--files", "4"]
+    args += ["--batch-size", "4", "--size", "16", "--repeats", "1", "--json", str(out)]
+    done = run("gpu_decode.py", *args, "--jpeg-cache", str(tmp_path / "jpeg"))
+    assert 0 == done.returncode, done.stderr
+    assert "cores per 1000/s" in done.stdout
+    figures = json.loads(out.read_text())["ways"]
+    assert set(figures) == {"dataloader:1", "decode:0"}
+    assert all(w["samples_per_s"][0] > 0 and w["per_1000"] > 0 for w in figures.values())
+
+
 def test_epoch_boundaries_measures_every_way() -> None:
     """The four ways of crossing an epoch boundary, each with its ratio to the steady interval."""
     done = run_here("epoch_boundaries.py", "--epochs", "2", "--batches", "3", "--batch-size", "4")
