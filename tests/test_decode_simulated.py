@@ -47,6 +47,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
             image = Image.frombytes("RGB", (w, h), bytes(pixels.flatten().tolist()))
             if label == "b" and i == 3:
                 image.save(root / label / f"{i}.png")
+            elif label == "a" and i == 4:
+                image.save(root / label / f"{i}.jpg", progressive=True)
             else:
                 image.save(root / label / f"{i}.jpg", quality=90)
     return root
@@ -88,6 +90,20 @@ class AsyncDecoder:
 
     def __call__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         return [_host(b).pin_memory().to(device, non_blocking=True) for b in buffers]
+
+
+class RefusingDecoder(SyncDecoder):
+    """Refuses a batch holding a progressive JPEG (as a decoder may refuse a kind of file)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    def __call__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        if any(b"\xff\xc2" in bytes(b.tolist()) for b in buffers):  # a progressive frame
+            self.refused += 1
+            raise RuntimeError("unsupported JPEG")
+        return super().__call__(buffers, device)
 
 
 def _pipeline(decoder: Any) -> T.Compose:
@@ -148,6 +164,28 @@ def test_decoded_on_the_copy_stream_without_a_hazard(
     assert [] == sim.hazards
     if isinstance(decoder, SyncDecoder):
         assert decoder.calls == 4  # the PNG went to PIL; each batch decoded in one call
+
+
+def test_a_refused_image_is_decoded_on_the_host(sim: Simulation, folder: Path) -> None:
+    """A decoder that refuses a batch: each image alone, the refused one by PIL, then copied."""
+    decoder = RefusingDecoder()
+    batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(decoder), timeout=30.0)
+    got = _consume(sim, batches, "side")
+    for g, w in zip(got, _expected(folder), strict=True):
+        torch.testing.assert_close(g, w)
+    assert decoder.refused == 2  # its batch, then the image alone
+    assert decoder.calls == 4 - 1 + 2  # the other batches at once, the rest of that one alone
+    assert [] == sim.hazards
+
+
+def test_an_unreadable_file_on_the_gpu_is_named(sim: Simulation, tmp_path: Path) -> None:
+    """Refused by the GPU's decoder and by PIL: ImageDecodeError, as on the CPU."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(300))
+    batches = nostall.prefetch(_loader(tmp_path), "cuda", transform=_pipeline(SyncDecoder()))
+    with pytest.raises(nostall.ImageDecodeError, match="bad.jpg"):
+        next(iter(batches))
+    assert [] == sim.hazards
 
 
 def test_encoded_batches_stay_on_the_host_without_a_warning(sim: Simulation, folder: Path) -> None:

@@ -34,7 +34,9 @@ from ._base import Images, Key, Transform
 from ._encoded import EncodedImages
 
 #: A decoder: the images' bytes (1-D uint8 host tensors) and a device -> (C, H, W) uint8 images
-#: there. On CUDA its work must be done, or queued on the current stream, when it returns.
+#: there. On CUDA, when it returns, its work must be done or queued on the current stream, and
+#: the bytes read (or read only by torch's copies from pinned memory, which torch keeps until
+#: they have run): nothing here keeps the bytes alive after it returns.
 Decoder = Callable[[Sequence[torch.Tensor], torch.device], Sequence[torch.Tensor]]
 
 _DECODERS = ("auto", "nvjpeg", "pil")
