@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 import nostall
 from nostall import transforms as T
+from nostall.transforms import _decode
 
 
 def _pixels(h: int, w: int, seed: int) -> Image.Image:
@@ -195,6 +196,54 @@ def test_a_bare_batch_of_decoded_images_is_one_part() -> None:
     assert labelled["label"].tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize(
+    ("kind", "taken"),
+    [
+        ("baseline JPEG", True),
+        ("progressive JPEG", True),
+        ("greyscale JPEG", True),
+        ("CMYK JPEG", False),
+        ("PNG", False),
+    ],
+)
+def test_only_jpegs_of_one_or_three_components_go_to_the_gpus_decoder(
+    kind: str, taken: bool
+) -> None:
+    """CMYK JPEGs go to PIL: a GPU decoder may refuse them or give other colours silently."""
+    data = torch.tensor(list(KINDS[kind](_pixels(9, 11, 0))), dtype=torch.uint8)
+    assert taken == _decode._gpu_decodable(data)
+    assert not _decode._gpu_decodable(data[:40])  # cut before its frame header
+    assert not _decode._gpu_decodable(torch.zeros(0, dtype=torch.uint8))
+
+
+def test_compose_on_a_part_takes_what_its_first_transform_takes() -> None:
+    """Keyed batch objects are indexed; decoded images can be the part; functions get tensors."""
+
+    class Keyed:  # a batch with __getitem__ and __setitem__, not a Mapping (as PyG's Data)
+        def __init__(self, image: torch.Tensor) -> None:
+            self.fields = {"image": image}
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            return self.fields[key]
+
+        def __setitem__(self, key: str, value: torch.Tensor) -> None:
+            self.fields[key] = value
+
+        def __copy__(self) -> Keyed:
+            return Keyed(self.fields["image"])
+
+    x = torch.rand(2, 3, 4, 4)
+    out = T.Compose([T.Normalize([0.5] * 3, [0.5] * 3)], on="image")(Keyed(x))
+    assert torch.equal(out["image"], x * 2 - 1)
+    files = T.collate_encoded([KINDS["baseline JPEG"](_pixels(10 + i, 12, i)) for i in range(2)])
+    decoded = T.DecodeJPEG()(files)
+    crop = T.Compose([T.RandomResizedCrop(8), T.Normalize([0.5] * 3, [0.5] * 3)], on=0)
+    assert crop((decoded, torch.arange(2)))[0].shape == (2, 3, 8, 8)
+    assert crop(decoded).shape == (2, 3, 8, 8)  # a bare list of decoded images is the part
+    with pytest.raises(ValueError, match="needs a tensor there"):
+        T.Compose([lambda v: v], on=0)((5, x))
+
+
 def test_wrong_arguments_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="decoder='auto'"):
         T.DecodeJPEG(decoder="gpu")
@@ -202,7 +251,7 @@ def test_wrong_arguments_are_refused_with_the_fix() -> None:
         T.DecodeJPEG().apply(torch.zeros(3))
     with pytest.raises(ValueError, match=r"DecodeJPEG\(on=0\) needs an EncodedImages batch there"):
         T.DecodeJPEG()((torch.zeros(3), torch.zeros(3)))
-    with pytest.raises(ValueError, match="image 1 has shape"):
+    with pytest.raises(ValueError, match="item 1 has shape"):
         T.RandomResizedCrop(8, on=None)([torch.zeros(3, 9, 9), torch.zeros(1, 9, 9)])
     with pytest.raises(TypeError, match="antialias"):
         T.RandomResizedCrop(8, antialias=1)  # type: ignore[arg-type]

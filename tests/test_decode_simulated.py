@@ -55,8 +55,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _host(buffer: torch.Tensor) -> torch.Tensor:
-    with Image.open(io.BytesIO(bytes(buffer.tolist()))) as image:
-        rgb = image.convert("RGB")
+    """PIL's RGB pixels; a file it cannot read refused with a RuntimeError, as torchvision does."""
+    try:
+        with Image.open(io.BytesIO(bytes(buffer.tolist()))) as image:
+            rgb = image.convert("RGB")
+    except OSError as e:
+        raise RuntimeError(f"Error while decoding JPEG images: {e}") from e
     pixels = torch.tensor(list(rgb.tobytes()), dtype=torch.uint8)
     return pixels.view(rgb.size[1], rgb.size[0], 3).permute(2, 0, 1).contiguous()
 
@@ -183,9 +187,58 @@ def test_an_unreadable_file_on_the_gpu_is_named(sim: Simulation, tmp_path: Path)
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(300))
     batches = nostall.prefetch(_loader(tmp_path), "cuda", transform=_pipeline(SyncDecoder()))
-    with pytest.raises(nostall.ImageDecodeError, match="bad.jpg"):
+    with pytest.raises(nostall.ImageDecodeError, match=r"bad\.jpg"):
         next(iter(batches))
     assert [] == sim.hazards
+
+
+class Recording(SyncDecoder):
+    """Records the number of colour components of every file it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[str] = []
+
+    def __call__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        for b in buffers:
+            with Image.open(io.BytesIO(bytes(b.tolist()))) as image:
+                self.modes.append(image.mode)
+        return super().__call__(buffers, device)
+
+
+def test_cmyk_jpegs_and_other_files_never_reach_the_gpus_decoder(
+    sim: Simulation, tmp_path: Path
+) -> None:
+    """A CMYK JPEG and a PNG go to PIL (same pixels as on the CPU); the rest to the decoder."""
+    (tmp_path / "a").mkdir()
+    for i, mode in enumerate(("RGB", "CMYK", "L", "RGB")):
+        image = Image.effect_noise((12 + i, 10), 40).convert(mode)
+        image.save(tmp_path / "a" / (f"{i}.png" if i == 3 else f"{i}.jpg"))
+    decoder = Recording()
+    batches = nostall.prefetch(_loader(tmp_path), "cuda", transform=_pipeline(decoder))
+    got = _consume(sim, batches, "side")
+    for g, w in zip(got, _expected(tmp_path), strict=True):
+        torch.testing.assert_close(g, w)
+    assert decoder.modes == ["RGB", "L"]
+    assert [] == sim.hazards
+
+
+def test_a_decoder_that_cannot_run_is_not_replaced_by_the_cpu(
+    sim: Simulation, folder: Path
+) -> None:
+    """torchvision missing, or the GPU out of memory: the error, not a silent CPU decode."""
+
+    def out_of_memory(buffers: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        next(iter(nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(out_of_memory))))
+    try:
+        import torchvision.io  # noqa: F401
+    except ImportError:
+        batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline("nvjpeg"))
+        with pytest.raises(ImportError, match="pip install torchvision"):
+            next(iter(batches))
 
 
 def test_encoded_batches_stay_on_the_host_without_a_warning(sim: Simulation, folder: Path) -> None:

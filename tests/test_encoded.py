@@ -44,6 +44,21 @@ def test_a_folder_reads_as_image_folder_does(folder: Path) -> None:
     assert "6 files, 2 classes" in repr(data)
 
 
+def test_files_come_in_image_folders_order(tmp_path: Path) -> None:
+    """Folders walked as torchvision's ImageFolder walks them: indices mean the same images."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "linked.jpg").write_bytes(b"4")
+    root = tmp_path / "root"
+    (root / "b" / "b_sub").mkdir(parents=True)
+    for name in ("c.jpg", "B.jpg", "a.jpg", "b_sub/x.jpg"):
+        (root / "b" / name).write_bytes(b"1")
+    (root / "b" / "zlink").symlink_to(elsewhere, target_is_directory=True)
+    names = [Path(p).relative_to(root).as_posix() for p, _ in T.ImageBytes(root).samples]
+    # os.walk(followlinks=True), sorted: the folder's files, then each subfolder's.
+    assert names == ["b/B.jpg", "b/a.jpg", "b/c.jpg", "b/b_sub/x.jpg", "b/zlink/linked.jpg"]
+
+
 def test_a_dataset_with_samples_or_a_list_of_paths(folder: Path) -> None:
     """torchvision's ImageFolder is read through .samples; lists of paths or pairs work."""
 
@@ -110,6 +125,8 @@ def test_collate_takes_dicts_and_every_bytes_like_type() -> None:
     assert batch["jpeg"].names == ("", "", "")
     assert batch["jpeg"].data.tolist() == [1, 2] * 3
     assert batch["label"].tolist() == [1, 1, 1]
+    strided = memoryview(b"\x08\x00\x09\x00")[::2]  # not contiguous: copied first
+    assert T.collate_encoded([strided]).data.tolist() == [8, 9]
     bare = T.collate_encoded([b"\x05", b"\x06\x07"])
     assert isinstance(bare, T.EncodedImages)
     assert bare.data.tolist() == [5, 6, 7]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import nostall._staging.copy_streams
+import nostall.transforms._decode
 
 from ._hazards import Kind
 from ._simulation import SimEvent, SimStream, active, device_index
@@ -301,10 +302,12 @@ def replacements() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, "is_pinned", _is_pinned),
         (torch.Tensor, "record_stream", _record_stream),
     ]
-    # Streams nostall lends to its prefetchers belong to one (simulated) CUDA world.
+    # Streams nostall lends to its prefetchers, and its decode streams, belong to one
+    # (simulated) CUDA world.
     out.append(
         (nostall._staging.copy_streams, "LENDER", nostall._staging.copy_streams.CopyStreams())
     )
+    out.append((nostall.transforms._decode, "STREAMS", nostall.transforms._decode.DecodeStreams()))
     for name in _FACTORIES:
         out.append((torch, name, _factory(getattr(torch, name), name)))
     for name in ("tensor", "as_tensor"):

@@ -143,11 +143,18 @@ class Compose(Transform):
             return batch
         return super().__call__(batch)
 
-    takes = "the first transform's input"
+    @property
+    def takes(self) -> str:  # type: ignore[override]
+        """What the first transform takes (a tensor for a plain function)."""
+        first = self.transforms[0] if self.transforms else None
+        return first.takes if isinstance(first, Transform) else "a tensor"
 
     def accepts(self, part: object) -> bool:
-        """With ``on``: whatever the first transform takes, but a dict, list or tuple batch."""
-        return not isinstance(part, (Mapping, list, tuple))
+        """With ``on``: what the first transform takes (a tensor for a plain function)."""
+        first = self.transforms[0] if self.transforms else None
+        if isinstance(first, Transform):
+            return first.accepts(part)
+        return isinstance(part, torch.Tensor)
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
         """The pipeline on one tensor (with ``on``)."""

@@ -5,9 +5,10 @@ Invariants:
       tensor on the batch's device (greyscale and CMYK images converted, as PIL's
       ``convert("RGB")`` does). EXIF orientation is not applied (neither torchvision's decoder
       nor PIL's ``open`` applies it).
-    * On CUDA the decoder runs with a stream of this transform's as the current stream (the
-      decode stream), so the images are allocated there; the stream that called (the copy
-      stream, in a prefetcher) then waits for the decode stream, and each image is
+    * On CUDA the decoder runs with the device's decode stream (one per device for the
+      process, :class:`DecodeStreams`) as the current stream, so the images are allocated
+      there; the stream that called (the copy stream, in a prefetcher) then waits for the
+      decode stream, and each image is
       ``record_stream``-ed on it, so its memory is not reused while the transforms after the
       decode still read it. Nothing here waits for the model's stream.
     * torchvision's decoder makes the calling thread wait for its own stream (it ends with a
@@ -69,8 +70,6 @@ class DecodeJPEG(Transform):
                 f"function (got {decoder!r}); pass decoder='auto'"
             )
         self.decoder = decoder
-        self._streams: dict[torch.device, Any] = {}
-        self._lock = threading.Lock()
 
     def accepts(self, part: object) -> bool:
         """An :class:`EncodedImages` batch."""
@@ -98,44 +97,73 @@ class DecodeJPEG(Transform):
     def _decode(
         self, buffers: list[torch.Tensor], names: Sequence[str], device: torch.device
     ) -> list[torch.Tensor]:
+        """The GPU decoder's images, and PIL's for those it does not take or refuses.
+
+        A decoder that cannot run at all (torchvision missing) or runs out of memory raises
+        here, to the user: decoding every image on the CPU instead would be the very stall
+        this transform removes, unannounced.
+        """
         decode = self.decoder if callable(self.decoder) else _nvjpeg
         out: list[torch.Tensor | None] = [None] * len(buffers)
-        jpegs = [i for i, b in enumerate(buffers) if _starts_jpeg(b)]
+        taken = [i for i, b in enumerate(buffers) if _gpu_decodable(b)]
         try:
-            decoded = list(decode([buffers[i] for i in jpegs], device)) if jpegs else []
-        except Exception:  # one image it refuses fails the batch: each one alone, then PIL
+            decoded = list(decode([buffers[i] for i in taken], device)) if taken else []
+        except _REFUSED as e:  # one image it refuses fails the batch: each one alone, then PIL
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
             decoded = []
-        if len(decoded) == len(jpegs):
-            for i, image in zip(jpegs, decoded, strict=True):
+        if len(decoded) == len(taken):
+            for i, image in zip(taken, decoded, strict=True):
                 out[i] = image
         else:
-            for i in jpegs:
+            for i in taken:
                 try:
                     out[i] = decode([buffers[i]], device)[0]
-                except Exception:
-                    out[i] = None
+                except _REFUSED as e:
+                    if isinstance(e, torch.OutOfMemoryError):
+                        raise
         return [
             image if image is not None else _on(_pil(buffers[i], i, names[i]), device)
             for i, image in enumerate(out)
         ]
 
     def _stream(self, device: torch.device, caller: Any) -> Any:
-        """This transform's decode stream on ``device``: never the caller's own stream."""
-        with self._lock:
-            stream = self._streams.get(device)
-            while stream is None or stream == caller:  # streams come from a pool, round robin
-                stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self._streams[device] = stream
-            return stream
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"on": self.on, "decoder": self.decoder}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(decoder=state["decoder"], on=state["on"])  # type: ignore[misc]
+        """The decode stream of ``device`` (see :class:`DecodeStreams`)."""
+        return STREAMS.get(device, caller)
 
     def __repr__(self) -> str:
         return f"DecodeJPEG(decoder={self.decoder!r}, on={self.on!r})"
+
+
+#: What a GPU decoder raises for an image it will not decode (torchvision: RuntimeError).
+_REFUSED = (RuntimeError, ValueError)
+
+
+class DecodeStreams:
+    """One decode stream per device for the process, made on first use.
+
+    One, not one per transform: torch hands out streams from a pool, and the memory freed on a
+    stream stays cached in that stream's pool, so a pipeline rebuilt every epoch would leave
+    its decoded images' memory in one pool after another. Never the caller's own stream.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[int, Any] = {}
+
+    def get(self, device: torch.device, caller: Any) -> Any:
+        """The decode stream of ``device`` (another one, kept from now on, if it is ``caller``)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            stream = self._streams.get(index)
+            while stream is None or stream == caller:  # the pool hands streams round robin
+                stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._streams[index] = stream
+            return stream
+
+
+#: The process's decode streams (the simulated CUDA of the tests swaps in its own).
+STREAMS = DecodeStreams()
 
 
 def _follow(caller: Any, stream: Any) -> None:
@@ -149,8 +177,37 @@ def _keep(images: list[torch.Tensor], caller: Any) -> None:
         record_stream(image, caller)
 
 
-def _starts_jpeg(buffer: torch.Tensor) -> bool:
-    return buffer.numel() >= 3 and _bytes(buffer[:3]) == _JPEG_START
+#: Start-of-frame markers: each begins a JPEG frame header, which gives the colour components.
+_FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+#: How far into a file its frame header is looked for (EXIF and ICC blocks come before it).
+_HEADER_BYTES = 1 << 18
+
+
+def _gpu_decodable(buffer: torch.Tensor) -> bool:
+    """A JPEG of 1 or 3 colour components (greyscale, YCbCr): what a GPU decoder takes as RGB.
+
+    CMYK and YCCK JPEGs (4 components) and anything else go to PIL: GPU decoders refuse them
+    or, worse, may return other colours without an error.
+    """
+    if buffer.numel() < 4:
+        return False
+    data = _bytes(buffer[:_HEADER_BYTES])
+    if not data.startswith(_JPEG_START):
+        return False
+    at = 2
+    while at + 9 < len(data):
+        if data[at] != 0xFF:
+            return False  # not a marker where one must be: leave it to PIL's judgement
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in _FRAMES:
+            return data[at + 9] in (1, 3)
+        if marker == 0xDA:  # start of scan before any frame header
+            return False
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return False
 
 
 def _bytes(buffer: torch.Tensor) -> bytes:

@@ -11,8 +11,8 @@ Invariants:
       byte for byte the file that was read. Its ``.to(device)`` keeps the bytes on the host
       (GPU decoders read host memory) and records the device the images are to be decoded on.
     * Each image keeps the name it was read under (its path), so that an error names the file.
-    * In a DataLoader worker the bytes are written straight into shared memory, as
-      ``default_collate`` writes a batch, so sending them to the main process copies nothing.
+    * In a DataLoader worker the packed bytes go to shared memory (one copy more), as
+      ``default_collate`` puts a batch there, so sending them to the main process copies nothing.
 """
 
 from __future__ import annotations
@@ -93,11 +93,14 @@ class ImageBytes(Dataset[tuple[EncodedImage, int]]):
             )
         self.classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        # In torchvision's order: each class folder walked (links followed), folders sorted,
+        # then the files of each, sorted, so that indices match an ImageFolder's.
         samples = [
-            (str(path), self.class_to_idx[name])
-            for name in self.classes
-            for path in sorted((root / name).rglob("*"))
-            if path.suffix.lower() in extensions and path.is_file()
+            (os.path.join(folder, name), self.class_to_idx[label])
+            for label in self.classes
+            for folder, _, names in sorted(os.walk(root / label, followlinks=True))
+            for name in sorted(names)
+            if name.lower().endswith(extensions)
         ]
         if not samples:
             raise ValueError(
@@ -170,9 +173,9 @@ class EncodedImages:
     def from_buffers(cls, buffers: Sequence[Any]) -> EncodedImages:
         """Pack bytes-like ``buffers`` (their ``.name`` kept where they have one).
 
-        In a DataLoader worker the packed bytes go to shared memory directly.
+        In a DataLoader worker the packed bytes are then copied into shared memory.
         """
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [_flat(b) for b in buffers]
         sizes = [len(v) for v in views]
         offsets = torch.zeros(len(views) + 1, dtype=torch.int64)
         if views:
@@ -218,6 +221,12 @@ class EncodedImages:
 
     def __repr__(self) -> str:
         return f"EncodedImages({len(self)} images, {self.data.numel()} bytes, for {self.device})"
+
+
+def _flat(buffer: Any) -> memoryview:
+    """``buffer``'s bytes as a flat view (copied where it is not contiguous)."""
+    view = memoryview(buffer)
+    return view.cast("B") if view.contiguous else memoryview(view.tobytes())
 
 
 def _collate_buffers(batch: Sequence[Any], *, collate_fn_map: Any = None) -> EncodedImages:

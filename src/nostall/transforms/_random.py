@@ -212,8 +212,9 @@ class RandomResizedCrop(_Random):
         for i, image in enumerate(images):
             if image.dim() != 3 or image.shape[0] != first.shape[0]:
                 raise ValueError(
-                    f"RandomResizedCrop takes a list of (C, H, W) images with the same C; image "
-                    f"{i} has shape {tuple(image.shape)}, image 0 {tuple(first.shape)}"
+                    f"RandomResizedCrop takes a list of (C, H, W) images with the same C; item "
+                    f"{i} has shape {tuple(image.shape)}, item 0 {tuple(first.shape)}. For a "
+                    f"batch of parts such as [images, labels], pass on=0 (the images' index)"
                 )
             if image.device != first.device:
                 raise ValueError(
