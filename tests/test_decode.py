@@ -175,6 +175,42 @@ def test_the_crops_are_pils_crops_with_the_same_boxes(tmp_path: Path) -> None:
         assert float(diff.mean()) < 0.5, (i, float(diff.mean()))
 
 
+def test_the_centre_crops_are_resize_then_center_crop_on_pil_images(tmp_path: Path) -> None:
+    """torchvision's evaluation pipeline on PIL images (Resize, CenterCrop), within rounding."""
+    root = _folder(tmp_path, count=6)
+    paths = [p for p, _ in T.ImageBytes(root).samples]
+    images = T.DecodeJPEG()(next(iter(_loader(root, 6)))[0])
+    out = T.ResizedCenterCrop(24, resize=28)(images)
+    assert out.shape == (6, 3, 24, 24)
+    for i, image in enumerate(images):
+        h, w = image.shape[-2:]
+        size = (28, int(28 * h / w)) if w <= h else (int(28 * w / h), 28)  # PIL's (w, h)
+        with Image.open(paths[i]) as source:
+            resized = source.convert("RGB").resize(size, Image.Resampling.BILINEAR)
+        left, top = round((size[0] - 24) / 2), round((size[1] - 24) / 2)
+        ref = resized.crop((left, top, left + 24, top + 24))
+        want = torch.tensor(list(ref.tobytes()), dtype=torch.float32).view(24, 24, 3)
+        diff = ((out[i] * 255).round() - want.permute(2, 0, 1)).abs()
+        assert float(diff.max()) <= 8, (i, float(diff.max()))
+        assert float(diff.mean()) < 0.5, (i, float(diff.mean()))
+
+
+def test_a_centre_crop_of_a_batch_and_of_its_list_agree_and_small_images_are_padded() -> None:
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 256, (3, 3, 20, 30), dtype=torch.uint8, generator=g)
+    crop = T.ResizedCenterCrop(16)  # resize: round(16 * 256 / 224) = 18
+    assert crop.resize == 18
+    assert "resize=18" in repr(crop)
+    torch.testing.assert_close(crop(batch), T.ResizedCenterCrop(16, on=None)(list(batch)))
+    padded = T.ResizedCenterCrop(12, resize=6)(torch.ones(1, 3, 6, 6))
+    assert float(padded[0, :, 3:9, 3:9].min()) == 1.0
+    assert float(padded[0, :, :3].max()) == 0.0
+    with pytest.raises(ValueError, match="resize=256 with size=224"):
+        T.ResizedCenterCrop(224, resize=0)
+    with pytest.raises(TypeError, match="antialias"):
+        T.ResizedCenterCrop(224, antialias="yes")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("antialias", [False, True])
 def test_a_list_of_images_of_one_size_crops_as_their_batch(antialias: bool) -> None:
     """The boxes are drawn image after image, as for a batch: the same numbers."""

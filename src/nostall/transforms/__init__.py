@@ -8,7 +8,8 @@ the batch, so they overlap the model's compute.
 Invariants:
     * JPEGs can cross as their bytes and be decoded here: :class:`ImageBytes` reads the files,
       :func:`collate_encoded` packs a batch's bytes, :class:`DecodeJPEG` decodes them (nvJPEG
-      on a GPU) into a list of images that :class:`RandomResizedCrop` makes one batch.
+      on a GPU) into a list of images that :class:`RandomResizedCrop` (training) or
+      :class:`ResizedCenterCrop` (evaluation) makes one batch.
     * Each transform works on a whole batch (N, C, H, W) and touches only the part of the batch
       named by ``on`` (a key of a dict batch, an index of a tuple or list batch; a bare tensor
       batch is transformed whole). The rest of the batch, and its container type, is kept.
@@ -35,6 +36,7 @@ Invariants:
 
 from .._transform_state import StatefulTransform
 from ._base import Compose, Transform
+from ._centre import ResizedCenterCrop
 from ._decode import DecodeJPEG
 from ._encoded import EncodedImage, EncodedImages, ImageBytes, collate_encoded
 from ._random import RandomHorizontalFlip, RandomResizedCrop
@@ -50,6 +52,7 @@ __all__ = [
     "Normalize",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "ResizedCenterCrop",
     "StatefulTransform",
     "ToDtype",
     "Transform",
