@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import assert_same_batches, wait_until
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 import nostall
 from nostall import transforms as T
@@ -86,7 +86,9 @@ def test_an_unreadable_file_is_named_with_the_fix(kind: str) -> None:
         T.DecodeJPEG()(batch)
     assert e.value.index == 1
     assert e.value.name == f"bad/{kind}.jpg"
-    assert "remove or replace it" in str(e.value)
+    assert "not a readable image" in str(e.value)
+    fix = "LOAD_TRUNCATED_IMAGES" if kind == "truncated" else "remove it from the dataset"
+    assert fix in str(e.value)
     assert isinstance(e.value, ValueError)
     assert e.value.__cause__ is not None  # PIL's own error, kept
 
@@ -287,10 +289,42 @@ def test_wrong_arguments_are_refused_with_the_fix() -> None:
         T.DecodeJPEG().apply(torch.zeros(3))
     with pytest.raises(ValueError, match=r"DecodeJPEG\(on=0\) needs an EncodedImages batch there"):
         T.DecodeJPEG()((torch.zeros(3), torch.zeros(3)))
+    # The mistakes a first try makes, each with its fix.
+    samples = [(KINDS["baseline JPEG"](_pixels(8, 8, i)), i) for i in range(2)]
+    uncollated = default_collate(samples)  # the DataLoader's default collate
+    with pytest.raises(ValueError, match=r"pass collate_fn=T\.collate_encoded"):
+        T.DecodeJPEG()(uncollated)
+    with pytest.raises(ValueError, match=r"put T.DecodeJPEG\(\) before this transform"):
+        T.Compose([T.RandomResizedCrop(8), T.DecodeJPEG()])(T.collate_encoded(samples))
+    with pytest.raises(ValueError, match=r"ResizedCenterCrop\(on=0\).*put T.DecodeJPEG"):
+        T.ResizedCenterCrop(8)(T.collate_encoded(samples))
+    keyed = T.collate_encoded([{"image": data, "label": y} for data, y in samples])
+    with pytest.raises(ValueError, match="its keys: 'image', 'label'"):
+        T.DecodeJPEG()(keyed)
+    with pytest.raises(ValueError, match="decodes on CUDA, and this batch goes to cpu"):
+        T.DecodeJPEG(decoder="nvjpeg")(T.collate_encoded(samples)[0])
     with pytest.raises(ValueError, match="item 1 has shape"):
         T.RandomResizedCrop(8, on=None)([torch.zeros(3, 9, 9), torch.zeros(1, 9, 9)])
     with pytest.raises(TypeError, match="antialias"):
         T.RandomResizedCrop(8, antialias=1)  # type: ignore[arg-type]
+
+
+def test_a_decoder_of_yours_decodes_on_the_cpu_too() -> None:
+    """A function given as decoder= is called wherever the batch goes, PIL for what it refuses."""
+    calls: list[int] = []
+
+    def mine(buffers: Any, device: torch.device) -> list[torch.Tensor]:
+        calls.append(len(buffers))
+        if len(buffers) > 1:
+            raise RuntimeError("one at a time")
+        return [torch.zeros(3, 2, 2, dtype=torch.uint8, device=device)]
+
+    files = [KINDS["baseline JPEG"](_pixels(8, 8, i)) for i in range(2)] + [
+        KINDS["PNG"](_pixels(5, 5, 0))
+    ]
+    out = T.DecodeJPEG(decoder=mine)(T.collate_encoded(files))
+    assert calls == [2, 1, 1]  # the batch refused, then each JPEG alone; the PNG to PIL
+    assert [tuple(i.shape) for i in out] == [(3, 2, 2), (3, 2, 2), (3, 5, 5)]
 
 
 def test_a_decode_transform_pickles() -> None:

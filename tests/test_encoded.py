@@ -83,7 +83,11 @@ def test_bad_sources_are_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="found no directory"):
         T.ImageBytes(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="found no image files"):
+    with pytest.raises(ValueError, match="found no image files in class folders"):
+        T.ImageBytes(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "0.jpg").write_bytes(b"0")
+    with pytest.raises(ValueError, match="no image files for the classes empty under"):
         T.ImageBytes(tmp_path)
     with pytest.raises(TypeError, match=r"source\[1\] is neither a path"):
         T.ImageBytes(["a.jpg", 5])

@@ -250,7 +250,8 @@ class Puller:
             staged = staging.stage(batch)
         except BaseException as e:
             name = threading.current_thread().name
-            where = f"raised while moving batch {index} to {staging.device}, in {name!r}"
+            what = "moving" if staging.transform is None else "moving and transforming"
+            where = f"raised while {what} batch {index} to {staging.device}, in {name!r}"
             return self._failed(e, where, hook)
         if self.on_first_batch is not None:
             on_first, self.on_first_batch = self.on_first_batch, None

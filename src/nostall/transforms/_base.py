@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import _arguments as check
+from ._encoded import EncodedImages
 
 Key = Hashable | int
 
@@ -46,15 +47,20 @@ class Transform:
         if whole:
             return self.apply(batch)
         if self.on is None:
+            fix = self.fix_for(batch) or "pass on=KEY for a dict or on=INDEX for a tuple"
             raise ValueError(
                 f"{type(self).__name__}(on=None) needs {self.takes} as the batch (got a "
-                f"{type(batch).__name__}); pass on=KEY for a dict or on=INDEX for a tuple"
+                f"{type(batch).__name__}); {fix}"
             )
         return _replace(batch, self.on, self.apply, type(self).__name__, self)
 
     def accepts(self, part: object) -> bool:
         """Whether ``part`` is what :meth:`apply` works on: here a tensor."""
         return isinstance(part, torch.Tensor)
+
+    def fix_for(self, part: object) -> str:
+        """What to change when ``part`` is not what this transform takes ('' if nothing known)."""
+        return ""
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
         """Transform one batch tensor."""
@@ -91,13 +97,16 @@ def _replace(
     try:
         value = batch[key]
     except (KeyError, IndexError, TypeError) as e:
+        keys = f" (its keys: {', '.join(map(repr, batch))})" if isinstance(batch, Mapping) else ""
         raise ValueError(
             f"{name}(on={key!r}) found nothing at {key!r} in a batch of type "
-            f"{type(batch).__name__}; use on=KEY for a dict batch, on=INDEX for a tuple"
+            f"{type(batch).__name__}{keys}; use on=KEY for a dict batch, on=INDEX for a tuple"
         ) from e
     if not transform.accepts(value):
+        fix = transform.fix_for(value)
         raise ValueError(
             f"{name}(on={key!r}) needs {transform.takes} there (got {type(value).__name__})"
+            + (f"; {fix}" if fix else "")
         )
     new = fn(value)
     if isinstance(batch, tuple):
@@ -148,6 +157,11 @@ class Compose(Transform):
         """What the first transform takes (a tensor for a plain function)."""
         first = self.transforms[0] if self.transforms else None
         return first.takes if isinstance(first, Transform) else "a tensor"
+
+    def fix_for(self, part: object) -> str:
+        """The first transform's advice."""
+        first = self.transforms[0] if self.transforms else None
+        return first.fix_for(part) if isinstance(first, Transform) else ""
 
     def accepts(self, part: object) -> bool:
         """With ``on``: what the first transform takes (a tensor for a plain function)."""
@@ -242,3 +256,10 @@ def check_batch(name: str, images: torch.Tensor) -> None:
             f"{name} works on a batch of images (N, C, H, W) but got shape "
             f"{tuple(images.shape)}; {fix}"
         )
+
+
+def decode_first(part: object) -> str:
+    """The fix for encoded images given to a transform of decoded ones ('' for anything else)."""
+    if isinstance(part, EncodedImages):
+        return "these are encoded images: put T.DecodeJPEG() before this transform"
+    return ""

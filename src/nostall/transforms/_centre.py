@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _arguments as check
-from ._base import Key, Transform, check_batch, max_value
+from ._base import Key, Transform, check_batch, decode_first, max_value
 
 
 class ResizedCenterCrop(Transform):
@@ -48,6 +48,10 @@ class ResizedCenterCrop(Transform):
         self.dtype = check.dtype("ResizedCenterCrop", "dtype", dtype, floating=True)
         check.flag("ResizedCenterCrop", "antialias", antialias)
         self.antialias = antialias
+
+    def fix_for(self, part: object) -> str:
+        """Encoded images are decoded first."""
+        return decode_first(part)
 
     def accepts(self, part: object) -> bool:
         """A tensor, or a list or tuple of tensors (images of any sizes)."""

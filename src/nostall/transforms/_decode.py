@@ -75,6 +75,15 @@ class DecodeJPEG(Transform):
         """An :class:`EncodedImages` batch."""
         return isinstance(part, EncodedImages)
 
+    def fix_for(self, part: object) -> str:
+        """Batch bytes with ``collate_encoded``; read files as bytes with ``ImageBytes``."""
+        if isinstance(part, (list, tuple)) and part and isinstance(part[0], (bytes, bytearray)):
+            return (
+                "these are the images' bytes as the DataLoader's default collate leaves them: "
+                "pass collate_fn=T.collate_encoded to the DataLoader"
+            )
+        return "read the files with T.ImageBytes and pass collate_fn=T.collate_encoded"
+
     def apply(self, images: Any) -> Images:  # type: ignore[override]
         """The batch's images decoded on ``images.device``, in order (an :class:`Images` list)."""
         if not isinstance(images, EncodedImages):
@@ -84,8 +93,15 @@ class DecodeJPEG(Transform):
             )
         device = images.device
         buffers = images.buffers()
-        if device.type != "cuda" or self.decoder == "pil":
+        if self.decoder == "nvjpeg" and device.type != "cuda":
+            raise ValueError(
+                f"DecodeJPEG(decoder='nvjpeg') decodes on CUDA, and this batch goes to {device}; "
+                f"pass decoder='auto' (nvJPEG on CUDA, Pillow elsewhere) or decoder='pil'"
+            )
+        if self.decoder == "pil" or (self.decoder == "auto" and device.type != "cuda"):
             return Images(_on(_pil(b, i, images.names[i]), device) for i, b in enumerate(buffers))
+        if device.type != "cuda":  # a decoder of the user's, off CUDA: no streams to order
+            return Images(self._decode(buffers, images.names, device))
         caller = torch.cuda.current_stream(device)
         stream = self._stream(device, caller)
         with torch.cuda.stream(stream):
@@ -238,10 +254,16 @@ def _pil(buffer: torch.Tensor, index: int, name: str) -> torch.Tensor:
             rgb = image.convert("RGB")
     except Exception as e:
         what = f"image {index} of the batch" + (f" ({name})" if name else "")
+        truncated = "truncated" in str(e).lower()
+        fix = (
+            "replace it, or let Pillow fill the missing part (PIL.ImageFile."
+            "LOAD_TRUNCATED_IMAGES = True, then decoder='pil')"
+            if truncated
+            else "remove it from the dataset, or replace it with an image file"
+        )
         raise ImageDecodeError(
             f"DecodeJPEG could not decode {what}, {buffer.numel()} bytes: {e}. The file is "
-            f"not a readable image (corrupt, truncated or not an image); remove or replace it "
-            f"(or re-save it, e.g. Image.open(path).convert('RGB').save(path, quality=95))",
+            f"not a readable image (corrupt, truncated or not an image): {fix}",
             index=index,
             name=name,
         ) from e

@@ -107,6 +107,13 @@ class ImageBytes(Dataset[tuple[EncodedImage, int]]):
                 f"ImageBytes(source) found no image files in class folders under {str(root)!r} "
                 f"(endings {', '.join(extensions)}); images go in {root!s}/<class>/<file>"
             )
+        empty = sorted(set(self.classes) - {self.classes[t] for _, t in samples})
+        if empty:  # as ImageFolder: a class without an image is a mistake in the folder
+            raise ValueError(
+                f"ImageBytes(source) found no image files for the classes {', '.join(empty)} "
+                f"under {str(root)!r} (endings {', '.join(extensions)}); remove their folders, "
+                f"or put their images in them"
+            )
         return samples
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import _arguments as check
 from ..cuda._transfer import upload
-from ._base import Key, Transform, check_batch, max_value, memory_format
+from ._base import Key, Transform, check_batch, decode_first, max_value, memory_format
 
 
 class _Random(Transform):
@@ -147,6 +147,10 @@ class RandomResizedCrop(_Random):
                 side = min(height, width)
                 out[i] = torch.tensor([(height - side) // 2, (width - side) // 2, side, side])
         return out
+
+    def fix_for(self, part: object) -> str:
+        """Encoded images are decoded first."""
+        return decode_first(part)
 
     def accepts(self, part: object) -> bool:
         """A tensor, or a list or tuple of tensors (images of any sizes)."""
