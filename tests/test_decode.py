@@ -254,6 +254,28 @@ def test_only_jpegs_of_one_or_three_components_go_to_the_gpus_decoder(
     assert not _decode._gpu_decodable(torch.zeros(0, dtype=torch.uint8))
 
 
+def _patched(data: bytes, at: int, value: int) -> torch.Tensor:
+    """``data`` with the byte at ``at`` past its frame marker (FF C0) set to ``value``."""
+    frame = data.index(b"\xff\xc0")
+    patched = bytearray(data)
+    patched[frame + at] = value
+    return torch.tensor(list(patched), dtype=torch.uint8)
+
+
+def test_other_kinds_of_jpeg_go_to_pil_and_long_headers_are_read() -> None:
+    """Lossless, arithmetic-coded or 12-bit frames are not the GPU's; 300 KB of EXIF is read."""
+    data = KINDS["baseline JPEG"](_pixels(9, 11, 0))
+    assert _decode._gpu_decodable(_patched(data, 1, 0xC0))
+    for marker in (0xC3, 0xC9, 0xCA, 0xC5):
+        assert not _decode._gpu_decodable(_patched(data, 1, marker)), hex(marker)
+    assert not _decode._gpu_decodable(_patched(data, 4, 12))  # 12 bits a sample
+    app = b"\xff\xe1" + (65533).to_bytes(2, "big") + bytes(65531)  # a full APP1 segment
+    long_header = data[:2] + app * 5 + data[2:]
+    assert len(long_header) > 300_000
+    assert _decode._gpu_decodable(torch.tensor(list(long_header), dtype=torch.uint8))
+    assert torch.equal(T.DecodeJPEG()(T.collate_encoded([long_header]))[0], _pil_rgb(data))
+
+
 def test_compose_on_a_part_takes_what_its_first_transform_takes() -> None:
     """Keyed batch objects are indexed; decoded images can be the part; functions get tensors."""
 
@@ -280,6 +302,10 @@ def test_compose_on_a_part_takes_what_its_first_transform_takes() -> None:
     assert crop(decoded).shape == (2, 3, 8, 8)  # a bare list of decoded images is the part
     with pytest.raises(ValueError, match="needs a tensor there"):
         T.Compose([lambda v: v], on=0)((5, x))
+    plain = list(decoded)  # a plain list at the part: images, never a batch of parts
+    assert crop((plain, torch.arange(2)))[0].shape == (2, 3, 8, 8)
+    with pytest.raises(ValueError, match="the encoded images are at index 0: pass on=0"):
+        T.DecodeJPEG(on=None)((files, torch.arange(2)))
 
 
 def test_wrong_arguments_are_refused_with_the_fix() -> None:

@@ -233,6 +233,26 @@ def test_a_decoder_that_cannot_run_is_not_replaced_by_the_cpu(
 
     with pytest.raises(torch.OutOfMemoryError):
         next(iter(nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(out_of_memory))))
+    # torchvision's words for a decoder that cannot run, in a plain RuntimeError.
+    for words in (
+        "Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB",
+        "decode_jpegs_cuda: torchvision not compiled with nvJPEG support",
+    ):
+
+        def broken(buffers: Sequence[torch.Tensor], device: torch.device, w: str = words) -> Any:
+            raise RuntimeError(w)
+
+        batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(broken))
+        with pytest.raises(RuntimeError) as raised:
+            next(iter(batches))
+        assert str(raised.value) == words  # itself, not retried image by image
+
+    def refuses_all(buffers: Sequence[torch.Tensor], device: torch.device) -> Any:
+        raise RuntimeError("Error while decoding JPEG images: unknown failure")
+
+    batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(refuses_all))
+    with pytest.raises(RuntimeError, match="refused each of the batch's 3 JPEGs, one by one"):
+        next(iter(batches))
     try:
         import torchvision.io  # noqa: F401
     except ImportError:

@@ -44,6 +44,12 @@ def test_a_folder_reads_as_image_folder_does(folder: Path) -> None:
     assert "6 files, 2 classes" in repr(data)
 
 
+def test_a_folder_under_home_is_found(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """``~`` is expanded, as ImageFolder expands it."""
+    monkeypatch.setenv("HOME", str(folder.parent))
+    assert len(T.ImageBytes(f"~/{folder.name}")) == 6
+
+
 def test_files_come_in_image_folders_order(tmp_path: Path) -> None:
     """Folders walked as torchvision's ImageFolder walks them: indices mean the same images."""
     elsewhere = tmp_path / "elsewhere"
@@ -89,6 +95,7 @@ def test_bad_sources_are_refused_with_the_fix(tmp_path: Path) -> None:
     (tmp_path / "full" / "0.jpg").write_bytes(b"0")
     with pytest.raises(ValueError, match="no image files for the classes empty under"):
         T.ImageBytes(tmp_path)
+    assert T.ImageBytes(tmp_path, allow_empty=True).classes == ["empty", "full"]
     with pytest.raises(TypeError, match=r"source\[1\] is neither a path"):
         T.ImageBytes(["a.jpg", 5])
 

@@ -170,8 +170,10 @@ class Compose(Transform):
             return first.accepts(part)
         return isinstance(part, torch.Tensor)
 
-    def apply(self, images: torch.Tensor) -> torch.Tensor:
-        """The pipeline on one tensor (with ``on``)."""
+    def apply(self, images: Any) -> Any:
+        """The pipeline on one part (with ``on``): a list there is a list of images."""
+        if isinstance(images, (list, tuple)) and type(images) is not Images:
+            images = Images(images)
         for transform in self.transforms:
             images = transform(images)
         return images

@@ -82,6 +82,10 @@ class DecodeJPEG(Transform):
                 "these are the images' bytes as the DataLoader's default collate leaves them: "
                 "pass collate_fn=T.collate_encoded to the DataLoader"
             )
+        if isinstance(part, (list, tuple)):
+            where = [i for i, p in enumerate(part) if isinstance(p, EncodedImages)]
+            if where:
+                return f"the encoded images are at index {where[0]}: pass on={where[0]}"
         return "read the files with T.ImageBytes and pass collate_fn=T.collate_encoded"
 
     def apply(self, images: Any) -> Images:  # type: ignore[override]
@@ -115,29 +119,36 @@ class DecodeJPEG(Transform):
     ) -> list[torch.Tensor]:
         """The GPU decoder's images, and PIL's for those it does not take or refuses.
 
-        A decoder that cannot run at all (torchvision missing) or runs out of memory raises
-        here, to the user: decoding every image on the CPU instead would be the very stall
-        this transform removes, unannounced.
+        A decoder that cannot run at all (torchvision missing or broken, built without nvJPEG,
+        out of memory, or refusing every image of a batch one by one) raises here, to the
+        user: decoding every image on the CPU instead would be the very stall this transform
+        removes, unannounced.
         """
-        decode = self.decoder if callable(self.decoder) else _nvjpeg
+        decode = self.decoder if callable(self.decoder) else _nvjpeg_decoder()
         out: list[torch.Tensor | None] = [None] * len(buffers)
         taken = [i for i, b in enumerate(buffers) if _gpu_decodable(b)]
         try:
             decoded = list(decode([buffers[i] for i in taken], device)) if taken else []
         except _REFUSED as e:  # one image it refuses fails the batch: each one alone, then PIL
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
+            _raise_unless_refused(e)
             decoded = []
         if len(decoded) == len(taken):
             for i, image in zip(taken, decoded, strict=True):
                 out[i] = image
         else:
+            first: BaseException | None = None
             for i in taken:
                 try:
                     out[i] = decode([buffers[i]], device)[0]
                 except _REFUSED as e:
-                    if isinstance(e, torch.OutOfMemoryError):
-                        raise
+                    _raise_unless_refused(e)
+                    first = first or e
+            if first is not None and len(taken) > 1 and all(out[i] is None for i in taken):
+                raise RuntimeError(
+                    f"DecodeJPEG: the GPU's decoder refused each of the batch's {len(taken)} "
+                    f"JPEGs, one by one ({first}); it does not work here. Fix its install, or "
+                    f"pass DecodeJPEG(decoder='pil') to decode on the CPU"
+                ) from first
         return [
             image if image is not None else _on(_pil(buffers[i], i, names[i]), device)
             for i, image in enumerate(out)
@@ -153,6 +164,17 @@ class DecodeJPEG(Transform):
 
 #: What a GPU decoder raises for an image it will not decode (torchvision: RuntimeError).
 _REFUSED = (RuntimeError, ValueError)
+
+#: In a refusal's message: the decoder cannot run at all (torchvision wraps its errors, out of
+#: memory included, in a plain RuntimeError).
+_CANNOT_RUN = ("out of memory", "not compiled with nvjpeg", "does not exist")
+
+
+def _raise_unless_refused(error: BaseException) -> None:
+    """Re-raise ``error`` where it says the decoder cannot run, rather than refused an image."""
+    text = str(error).lower()
+    if isinstance(error, torch.OutOfMemoryError) or any(s in text for s in _CANNOT_RUN):
+        raise error
 
 
 class DecodeStreams:
@@ -193,36 +215,41 @@ def _keep(images: list[torch.Tensor], caller: Any) -> None:
         record_stream(image, caller)
 
 
-#: Start-of-frame markers: each begins a JPEG frame header, which gives the colour components.
-_FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
-#: How far into a file its frame header is looked for (EXIF and ICC blocks come before it).
-_HEADER_BYTES = 1 << 18
+#: The frame headers of 8-bit Huffman-coded JPEGs (baseline, extended, progressive): what GPU
+#: decoders take. Lossless, hierarchical, arithmetic-coded and 12-bit JPEGs go to PIL.
+_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
+#: Every other start-of-frame marker: a JPEG of a kind the GPU's decoder does not take.
+_OTHER_FRAMES = frozenset({0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF, 0xDE})
 
 
 def _gpu_decodable(buffer: torch.Tensor) -> bool:
-    """A JPEG of 1 or 3 colour components (greyscale, YCbCr): what a GPU decoder takes as RGB.
+    """An 8-bit Huffman-coded JPEG of 1 or 3 colour components: what GPU decoders take as RGB.
 
-    CMYK and YCCK JPEGs (4 components) and anything else go to PIL: GPU decoders refuse them
-    or, worse, may return other colours without an error.
+    Read from its frame header, found by walking the segments before it (each read in place,
+    however long the EXIF or ICC blocks). CMYK and YCCK JPEGs (4 components), other kinds of
+    JPEG and anything else go to PIL: GPU decoders refuse them or, worse, may return other
+    colours without an error. Never raises: an unreadable header goes to PIL, which judges.
     """
-    if buffer.numel() < 4:
+    size = buffer.numel()
+    if size < 4 or buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
         return False
-    data = _bytes(buffer[:_HEADER_BYTES])
-    if not data.startswith(_JPEG_START):
+    start = buffer.data_ptr()
+    if ctypes.string_at(start, 3) != _JPEG_START:
         return False
     at = 2
-    while at + 9 < len(data):
-        if data[at] != 0xFF:
-            return False  # not a marker where one must be: leave it to PIL's judgement
-        marker = data[at + 1]
+    while at + 10 <= size:
+        head = ctypes.string_at(start + at, 10)
+        if head[0] != 0xFF:
+            return False  # not a marker where one must be
+        marker = head[1]
         if marker == 0xFF:  # fill byte
             at += 1
             continue
-        if marker in _FRAMES:
-            return data[at + 9] in (1, 3)
-        if marker == 0xDA:  # start of scan before any frame header
+        if marker in _FRAMES:  # FF Cn, length (2), precision (1), height (2), width (2), count
+            return head[4] == 8 and head[9] in (1, 3)
+        if marker in _OTHER_FRAMES or marker == 0xDA:  # or a scan before any frame header
             return False
-        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+        at += 2 + int.from_bytes(head[2:4], "big")
     return False
 
 
@@ -231,7 +258,8 @@ def _bytes(buffer: torch.Tensor) -> bytes:
     return ctypes.string_at(buffer.data_ptr(), buffer.numel()) if buffer.numel() else b""
 
 
-def _nvjpeg(buffers: Sequence[torch.Tensor], device: torch.device) -> Sequence[torch.Tensor]:
+def _nvjpeg_decoder() -> Decoder:
+    """torchvision's nvJPEG decoder, imported here: an import that fails is not a refusal."""
     try:
         from torchvision.io import ImageReadMode, decode_jpeg
     except ImportError as e:
@@ -240,7 +268,11 @@ def _nvjpeg(buffers: Sequence[torch.Tensor], device: torch.device) -> Sequence[t
             "for your torch (pip install torchvision), or pass DecodeJPEG(decoder='pil') to "
             "decode on the CPU"
         ) from e
-    return decode_jpeg(list(buffers), mode=ImageReadMode.RGB, device=device)  # type: ignore[no-any-return]
+
+    def decode(buffers: Sequence[torch.Tensor], device: torch.device) -> Sequence[torch.Tensor]:
+        return decode_jpeg(list(buffers), mode=ImageReadMode.RGB, device=device)  # type: ignore[no-any-return]
+
+    return decode
 
 
 def _pil(buffer: torch.Tensor, index: int, name: str) -> torch.Tensor:

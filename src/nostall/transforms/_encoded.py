@@ -62,15 +62,26 @@ class ImageBytes(Dataset[tuple[EncodedImage, int]]):
       ``ImageFolder`` or ``DatasetFolder`` (its ``classes`` and ``class_to_idx`` are kept);
     * a list of paths (each with class index 0) or of ``(path, class_index)`` pairs.
 
+    As ``ImageFolder``, a folder with a class folder holding no image is refused unless
+    ``allow_empty=True``.
+
     The files are read, not decoded: decode them on the device with
     :class:`~nostall.transforms.DecodeJPEG`, after :func:`collate_encoded`.
     """
 
-    def __init__(self, source: Any, *, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        extensions: Sequence[str] = IMAGE_EXTENSIONS,
+        allow_empty: bool = False,
+    ) -> None:
         self.classes: list[str] = []
         self.class_to_idx: dict[str, int] = {}
+        self.allow_empty = allow_empty
         if isinstance(source, (str, os.PathLike)):
-            self.samples = self._scan(Path(source), tuple(e.lower() for e in extensions))
+            root = Path(source).expanduser()
+            self.samples = self._scan(root, tuple(e.lower() for e in extensions))
         elif isinstance(getattr(source, "samples", None), list):
             self.samples = [(str(path), int(target)) for path, target in source.samples]
             self.classes = list(getattr(source, "classes", []))
@@ -108,11 +119,13 @@ class ImageBytes(Dataset[tuple[EncodedImage, int]]):
                 f"(endings {', '.join(extensions)}); images go in {root!s}/<class>/<file>"
             )
         empty = sorted(set(self.classes) - {self.classes[t] for _, t in samples})
-        if empty:  # as ImageFolder: a class without an image is a mistake in the folder
+        if (
+            empty and not self.allow_empty
+        ):  # as ImageFolder: a class without an image is a mistake in the folder
             raise ValueError(
                 f"ImageBytes(source) found no image files for the classes {', '.join(empty)} "
                 f"under {str(root)!r} (endings {', '.join(extensions)}); remove their folders, "
-                f"or put their images in them"
+                f"put their images in them, or pass allow_empty=True"
             )
         return samples
 
