@@ -183,9 +183,16 @@ def test_a_refused_image_is_decoded_on_the_host(sim: Simulation, folder: Path) -
 
 
 def test_an_unreadable_file_on_the_gpu_is_named(sim: Simulation, tmp_path: Path) -> None:
-    """Refused by the GPU's decoder and by PIL: ImageDecodeError, as on the CPU."""
+    """Refused by the GPU's decoder and by PIL: ImageDecodeError, as on the CPU.
+
+    A batch of such files only (each refused alone too) names the first, rather than taking
+    the decoder for a broken one.
+    """
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(300))
+    data = io.BytesIO()
+    Image.effect_noise((16, 16), 40).convert("RGB").save(data, "JPEG")
+    for name in ("bad.jpg", "bad2.jpg"):  # a valid frame header, then no image data
+        (tmp_path / "a" / name).write_bytes(data.getvalue()[:400])
     batches = nostall.prefetch(_loader(tmp_path), "cuda", transform=_pipeline(SyncDecoder()))
     with pytest.raises(nostall.ImageDecodeError, match=r"bad\.jpg"):
         next(iter(batches))

@@ -143,7 +143,8 @@ class DecodeJPEG(Transform):
                 except _REFUSED as e:
                     _raise_unless_refused(e)
                     first = first or e
-            if first is not None and len(taken) > 1 and all(out[i] is None for i in taken):
+            refused_all = first is not None and len(taken) > 1
+            if refused_all and all(out[i] is None for i in taken) and _readable(buffers[taken[0]]):
                 raise RuntimeError(
                     f"DecodeJPEG: the GPU's decoder refused each of the batch's {len(taken)} "
                     f"JPEGs, one by one ({first}); it does not work here. Fix its install, or "
@@ -302,6 +303,15 @@ def _pil(buffer: torch.Tensor, index: int, name: str) -> torch.Tensor:
     width, height = rgb.size
     pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
     return pixels.view(height, width, 3).permute(2, 0, 1)
+
+
+def _readable(buffer: torch.Tensor) -> bool:
+    """Whether PIL decodes ``buffer``: a file the GPU's decoder refused may be a bad file."""
+    try:
+        _pil(buffer, 0, "")
+    except ImageDecodeError:
+        return False
+    return True
 
 
 def _on(image: torch.Tensor, device: torch.device) -> torch.Tensor:
