@@ -152,14 +152,20 @@ def sim() -> Iterator[Simulation]:
         yield s
 
 
+@pytest.mark.parametrize("threads", [None, 2])
 @pytest.mark.parametrize("consumer", ["default", "side"])
 @pytest.mark.parametrize("kind", [SyncDecoder, AsyncDecoder])
 def test_decoded_on_the_copy_stream_without_a_hazard(
-    sim: Simulation, folder: Path, kind: type, consumer: str
+    sim: Simulation, folder: Path, kind: type, consumer: str, threads: int | None
 ) -> None:
-    """The values of the CPU pipeline; no missing wait, no reuse, no wait for the model."""
+    """The values of the CPU pipeline; no missing wait, no reuse, no wait for the model.
+
+    Without a timeout the consumer may stage a batch itself; with threads= the files are read
+    by loading threads: the decode runs in whichever thread stages the batch.
+    """
     decoder = kind()
-    batches = nostall.prefetch(_loader(folder), "cuda", transform=_pipeline(decoder), timeout=30.0)
+    pipeline = _pipeline(decoder)
+    batches = nostall.prefetch(_loader(folder), "cuda", transform=pipeline, threads=threads)
     got = _consume(sim, batches, consumer)
     want = _expected(folder)
     assert len(got) == len(want) == 4
