@@ -260,8 +260,19 @@ def check_batch(name: str, images: torch.Tensor) -> None:
         )
 
 
-def decode_first(part: object) -> str:
-    """The fix for encoded images given to a transform of decoded ones ('' for anything else)."""
-    if isinstance(part, EncodedImages):
-        return "these are encoded images: put T.DecodeJPEG() before this transform"
-    return ""
+class TakesImages:
+    """For a transform of images: a batch (N, C, H, W), or a list of (C, H, W) of any sizes."""
+
+    takes = "a tensor, or a list of (C, H, W) images"
+
+    def accepts(self, part: object) -> bool:
+        """A tensor, or a list or tuple of tensors (images of any sizes)."""
+        if isinstance(part, (list, tuple)):
+            return bool(part) and all(isinstance(p, torch.Tensor) for p in part)
+        return isinstance(part, torch.Tensor)
+
+    def fix_for(self, part: object) -> str:
+        """Encoded images are decoded first."""
+        if isinstance(part, EncodedImages):
+            return "these are encoded images: put T.DecodeJPEG() before this transform"
+        return ""

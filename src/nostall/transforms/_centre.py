@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import _arguments as check
-from ._base import Key, Transform, check_batch, decode_first, max_value
+from ._base import Key, TakesImages, Transform, check_batch, max_value
 
 
-class ResizedCenterCrop(Transform):
+class ResizedCenterCrop(TakesImages, Transform):
     """Resize each image so that its shorter side is ``resize``, then crop its centre to ``size``.
 
     torchvision's ``Resize(resize)`` then ``CenterCrop(size)``, the usual evaluation pipeline:
@@ -23,8 +23,6 @@ class ResizedCenterCrop(Transform):
     images of any sizes (as :class:`DecodeJPEG` gives them). The output is float (``dtype``)
     in [0, 1] for integer images, as :class:`RandomResizedCrop`'s; nothing is drawn.
     """
-
-    takes = "a tensor, or a list of (C, H, W) images"
 
     def __init__(
         self,
@@ -48,16 +46,6 @@ class ResizedCenterCrop(Transform):
         self.dtype = check.dtype("ResizedCenterCrop", "dtype", dtype, floating=True)
         check.flag("ResizedCenterCrop", "antialias", antialias)
         self.antialias = antialias
-
-    def fix_for(self, part: object) -> str:
-        """Encoded images are decoded first."""
-        return decode_first(part)
-
-    def accepts(self, part: object) -> bool:
-        """A tensor, or a list or tuple of tensors (images of any sizes)."""
-        if isinstance(part, (list, tuple)):
-            return bool(part) and all(isinstance(p, torch.Tensor) for p in part)
-        return isinstance(part, torch.Tensor)
 
     def apply(self, images: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Output (N, C, *size) in ``dtype``; a batch of one size is resized in one call."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import _arguments as check
 from ..cuda._transfer import upload
-from ._base import Key, Transform, check_batch, decode_first, max_value, memory_format
+from ._base import Key, TakesImages, Transform, check_batch, max_value, memory_format
 
 
 class _Random(Transform):
@@ -79,7 +79,7 @@ class RandomHorizontalFlip(_Random):
         return torch.gather(images, -1, index.reshape(n, 1, 1, width).expand_as(images), out=out)
 
 
-class RandomResizedCrop(_Random):
+class RandomResizedCrop(TakesImages, _Random):
     """Crop a random area and aspect ratio of each image, resized to ``size`` (bilinear).
 
     The boxes follow the usual rule (area in ``scale`` of the image, aspect ratio log-uniform in
@@ -94,8 +94,6 @@ class RandomResizedCrop(_Random):
     low-pass filtered as it shrinks, as PIL's and torchvision's bilinear resize do (the crop
     is taken whole, then resized with ``interpolate(..., antialias=True)``).
     """
-
-    takes = "a tensor, or a list of (C, H, W) images"
 
     def __init__(
         self,
@@ -147,16 +145,6 @@ class RandomResizedCrop(_Random):
                 side = min(height, width)
                 out[i] = torch.tensor([(height - side) // 2, (width - side) // 2, side, side])
         return out
-
-    def fix_for(self, part: object) -> str:
-        """Encoded images are decoded first."""
-        return decode_first(part)
-
-    def accepts(self, part: object) -> bool:
-        """A tensor, or a list or tuple of tensors (images of any sizes)."""
-        if isinstance(part, (list, tuple)):
-            return bool(part) and all(isinstance(p, torch.Tensor) for p in part)
-        return isinstance(part, torch.Tensor)
 
     def apply(self, images: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Output (N, C, *size) in ``dtype``, in the input's memory format (NCHW for a list).
