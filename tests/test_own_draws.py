@@ -24,6 +24,8 @@ TORCH_DRAWS: dict[str, Callable[[Any], Any]] = {
     "rand": lambda g: torch.rand(3, generator=g),
     "randn": lambda g: torch.randn(3, generator=g),
     "randint": lambda g: torch.randint(0, 100, (3,), generator=g),
+    "randint size=": lambda g: torch.randint(0, 100, size=(3,), generator=g),  # as torchvision
+    "rand dtype=": lambda g: torch.rand(3, dtype=torch.float64, generator=g),
     "randperm": lambda g: torch.randperm(5, generator=g),
     "normal": lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g),
     "bernoulli": lambda g: torch.bernoulli(torch.full((3,), 0.5), generator=g),
@@ -195,12 +197,62 @@ def test_a_random_op_for_another_device_or_with_its_own_generator_is_left_alone(
     assert not own_draws._routable((torch.ones(2), torch.Generator()), {})
     with routed(SampleRng(1)):
         assert "meta" == torch.rand(2, device="meta").device.type
+        assert "meta" == torch.randint(9, (2,), out=torch.empty(2, device="meta")).device.type
+        assert "meta" == torch.empty(2, device="meta").uniform_().device.type
+        with torch.device("meta"):
+            assert "meta" == torch.randn(2).device.type
         torch.nn.init.uniform_(torch.empty(2, device="meta"))  # tensor= by keyword: left alone
         g = torch.Generator().manual_seed(4)
         drawn = torch.poisson(torch.ones(3), g)  # by position: the caller's
     torch.testing.assert_close(
         drawn, torch.poisson(torch.ones(3), torch.Generator().manual_seed(4))
     )
+
+
+class _Passed(torch.overrides.TorchFunctionMode):
+    """Records the ``generator=`` each torch call below the routing is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators: list[object] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.generators.append((kwargs or {}).get("generator"))
+        return func(*args, **(kwargs or {}))
+
+
+#: Random calls as samples make them, and whether each draws for the CPU (gets the sample's
+#: generator); the others are for a tensor of another device (left alone).
+ROUTED_OR_NOT: dict[str, tuple[Callable[[], Any], bool]] = {
+    "method, CPU tensor": (lambda: torch.empty(2).uniform_(), True),
+    "method, meta tensor": (lambda: torch.empty(2, device="meta").uniform_(), False),
+    "factory": (lambda: torch.rand(2), True),
+    "factory, size=": (lambda: torch.randint(9, size=(2,)), True),
+    "factory, device=meta": (lambda: torch.rand(2, device="meta"), False),
+    "factory, out= CPU": (lambda: torch.randint(9, (2,), out=torch.empty(2)), True),
+    "factory, out= meta": (
+        lambda: torch.randint(9, (2,), out=torch.empty(2, device="meta")),
+        False,
+    ),
+    "like, meta tensor": (lambda: torch.rand_like(torch.empty(2, device="meta")), False),
+    "like, CPU tensor": (lambda: torch.rand_like(torch.empty(2)), True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTED_OR_NOT))
+def test_the_samples_generator_goes_to_calls_that_draw_for_the_cpu_only(case: str) -> None:
+    """Seen from below the routing: its generator goes exactly where the call draws on the CPU."""
+    call, on_cpu = ROUTED_OR_NOT[case]
+    rng = SampleRng(3)
+    with _Passed() as passed, routed(rng):
+        call()
+    given = [g for g in passed.generators if g is not None]
+    assert ([rng.torch_generator] if on_cpu else []) == given
+
+
+def test_every_routed_torch_function_has_its_check_of_the_device() -> None:
+    """The quick checks cover exactly the routed functions; a missing one is never routed."""
+    assert own_draws._TAKE_GENERATOR == set(own_draws._ROUTES)
 
 
 def test_the_routing_functions_pickle_as_the_originals_do() -> None:

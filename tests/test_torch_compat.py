@@ -24,13 +24,13 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 import nostall
 from nostall._torch_compat import (
     CHECKED_TORCH,
+    LoadingThreadInfo,
     answer_worker_info_per_thread,
     copy_loader,
     dead_workers_behind,
     default_device_is_cpu,
     empty_shared_uint8,
     live_iterator,
-    loading_thread_info,
 )
 
 
@@ -189,20 +189,22 @@ def test_a_loading_threads_worker_info_is_torchs_thread_worker_info() -> None:
     """In the block, get_worker_info() here is torch's WorkerInfo for a thread; after it, None."""
     answer_worker_info_per_thread()
     dataset, rng = as_dataset([1, 2]), object()
-    with loading_thread_info(worker=1, workers=4, seed=7, dataset=dataset, rng=rng) as info:
+    with LoadingThreadInfo(worker=1, workers=4, seed=7, dataset=dataset, rng=rng) as info:
         seen = torch.utils.data.get_worker_info()
+        again = torch.utils.data.get_worker_info()
     assert torch.utils.data.get_worker_info() is None
     assert isinstance(seen, torch.utils.data._utils.worker.WorkerInfo)  # torch's own class
-    assert info is seen
     fields = (seen.id, seen.num_workers, seen.seed, seen.dataset, seen.rng, seen.worker_method)
     assert (1, 4, 7, dataset, rng, "thread") == fields
+    assert info.worker_info() is seen
+    assert again is seen  # one WorkerInfo for the block, as a worker process has one
 
 
 def test_other_threads_get_torchs_own_worker_info() -> None:
     """While one thread holds a loading thread's info, another thread still gets None."""
     answer_worker_info_per_thread()
     seen: list[object] = []
-    with loading_thread_info(worker=0, workers=1, seed=0, dataset=None, rng=None):
+    with LoadingThreadInfo(worker=0, workers=1, seed=0, dataset=None, rng=None):
         other = threading.Thread(target=lambda: seen.append(torch.utils.data.get_worker_info()))
         other.start()
         other.join(timeout=60)
@@ -220,7 +222,7 @@ def test_thread_safe_generator_reads_the_loading_threads_generator() -> None:
         torch_generator = torch.Generator().manual_seed(3)
 
     answer_worker_info_per_thread()
-    with loading_thread_info(worker=0, workers=1, seed=3, dataset=None, rng=Rng()):
+    with LoadingThreadInfo(worker=0, workers=1, seed=3, dataset=None, rng=Rng()):
         assert Rng.torch_generator is torch.thread_safe_generator()
     assert torch.thread_safe_generator() is None
 
@@ -414,7 +416,7 @@ def test_a_bound_get_worker_info_answers_per_loading_thread() -> None:
     seen: list[object] = []
 
     def load() -> None:
-        with loading_thread_info(worker=2, workers=3, seed=5, dataset=None, rng=None):
+        with LoadingThreadInfo(worker=2, workers=3, seed=5, dataset=None, rng=None):
             info = bound()
             seen.append(None if info is None else (info.id, info.num_workers))
         seen.append(bound())

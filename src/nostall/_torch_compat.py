@@ -15,7 +15,7 @@ it notices the death itself; :func:`dead_workers_behind` finds that iterator (``
 traceback's frames) and reads its ``_workers``, so the error can say which worker died.
 ``threads=`` pins a batch as the loader's iterator would, with torch's private ``pin_memory``
 helper (:func:`pinning_like`); it gives each loading thread its own ``get_worker_info()``
-(:func:`answer_worker_info_per_thread`, :func:`loading_thread_info`), which means replacing
+(:func:`answer_worker_info_per_thread`, :class:`LoadingThreadInfo`), which means replacing
 torch's function process-wide and building torch's private ``WorkerInfo``. ``collate_uint8``
 builds a batch in shared memory in a DataLoader worker as ``default_collate`` does, with the
 private ``UntypedStorage._new_shared`` (:func:`empty_shared_uint8`); ``collate_encoded``
@@ -229,9 +229,9 @@ def _describe(worker: Any) -> str:
 #: torch's own ``get_worker_info`` (its function object, also after its code is replaced).
 _torch_get_worker_info = torch.utils.data._utils.worker.get_worker_info
 
-#: The ``WorkerInfo`` of the loading thread that reads it (see :func:`loading_thread_info`),
-#: and whether the dataset asked for it there (``asked``). Kept in torch's worker module, so
-#: that a reload of this module shares it with the code given to torch's function.
+#: The :class:`LoadingThreadInfo` of the loading thread that reads it, and whether the dataset
+#: asked for it there (``asked``). Kept in torch's worker module, so that a reload of this
+#: module shares it with the code given to torch's function.
 _loading: Any = torch.utils.data._utils.worker.__dict__.setdefault(
     "_nostall_loading", threading.local()
 )
@@ -243,7 +243,7 @@ def _get_worker_info() -> Any:
     if info is None:
         return _torch_get_worker_info()
     _loading.asked = True
-    return info
+    return info.worker_info()
 
 
 def worker_info_asked() -> bool:
@@ -264,7 +264,7 @@ def answer_worker_info_per_thread() -> None:
 
     torch keeps one worker info per process (a worker process sets it); loading threads need
     one each. The function is replaced, process-wide, by one that answers the info set by
-    :func:`loading_thread_info` in a loading thread and torch's own answer everywhere else, so
+    :class:`LoadingThreadInfo` in a loading thread and torch's own answer everywhere else, so
     other threads see no change. ``torch.thread_safe_generator()`` looks the function up in
     ``torch.utils.data`` on every call, so it finds the replacement. Code that bound torch's
     function before (``from torch.utils.data import get_worker_info``, the common way in a
@@ -293,32 +293,51 @@ def get_worker_info():
     if info is None:
         return _worker_info
     _nostall_loading.asked = True
-    return info
+    return info.worker_info()
 """
 
 
-@contextlib.contextmanager
-def loading_thread_info(
-    *, worker: int, workers: int, seed: int, dataset: Any, rng: Any
-) -> Iterator[Any]:
+class LoadingThreadInfo:
     """Within it, ``get_worker_info()`` in this thread answers a loading thread's info.
 
     The info is what torch's own thread workers build: its private
     ``torch.utils.data._utils.worker.WorkerInfo`` with ``worker_method="thread"`` and the
     sample's ``rng`` (``torch_generator``, ``random_generator``, ``numpy_generator``, which
-    ``torch.thread_safe_generator()`` reads); yielded too. Needs
+    ``torch.thread_safe_generator()`` reads), made when first asked (:meth:`worker_info`):
+    it is entered once a sample, and most samples never ask (a ``WorkerInfo`` costs
+    microseconds, holding the GIL the other loading threads wait for). Needs
     :func:`answer_worker_info_per_thread` once. Checked on :data:`CHECKED_TORCH`, where
     ``WorkerInfo`` takes these fields; a torch whose ``WorkerInfo`` is missing or takes other
-    fields raises here (AttributeError, TypeError), which every sample then raises as its
-    error, and ``tests/test_torch_compat.py`` fails on that torch until this is checked again.
+    fields raises when it is asked (AttributeError, TypeError), which the sample then raises
+    as its error, and ``tests/test_torch_compat.py`` fails on that torch until this is checked
+    again.
     """
-    info = torch.utils.data._utils.worker.WorkerInfo(
-        id=worker, num_workers=workers, seed=seed, dataset=dataset, rng=rng, worker_method="thread"
-    )
-    _loading.info, _loading.asked = info, False
-    try:
-        yield info
-    finally:
+
+    __slots__ = ("_info", "dataset", "rng", "seed", "worker", "workers")
+
+    def __init__(self, *, worker: int, workers: int, seed: int, dataset: Any, rng: Any) -> None:
+        self.worker, self.workers, self.seed = worker, workers, seed
+        self.dataset, self.rng = dataset, rng
+        self._info: Any = None
+
+    def worker_info(self) -> Any:
+        """torch's ``WorkerInfo`` of these fields (one, made on the first call)."""
+        if self._info is None:
+            self._info = torch.utils.data._utils.worker.WorkerInfo(
+                id=self.worker,
+                num_workers=self.workers,
+                seed=self.seed,
+                dataset=self.dataset,
+                rng=self.rng,
+                worker_method="thread",
+            )
+        return self._info
+
+    def __enter__(self) -> LoadingThreadInfo:
+        _loading.info, _loading.asked = self, False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         _loading.info = None
 
 

@@ -197,6 +197,48 @@ def _torch_random() -> frozenset[Any]:
 _TAKE_GENERATOR = _torch_random()
 
 
+def _self_on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """For a ``Tensor`` method's call (its tensor is ``args[0]``): it draws for the CPU.
+
+    These methods take ``generator=`` by keyword only: none can be given by position.
+    """
+    return bool(args) and getattr(args[0], "is_cpu", False) is True
+
+
+def _made_on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """For ``torch.rand``, ``randn``, ``randint``, ``randperm``: the tensor made is a CPU one.
+
+    Their positional arguments are sizes and bounds, and ``generator=`` is keyword only: the
+    tensor's device is its ``out=``'s, else its ``device=``, else torch's default device.
+    """
+    if kwargs:
+        out = kwargs.get("out")
+        if out is not None:
+            return getattr(out, "is_cpu", False) is True
+        device = kwargs.get("device")
+        if device is not None:
+            return torch.device(device).type == "cpu"
+    return default_device_is_cpu()
+
+
+def _routes() -> dict[Any, Callable[[tuple[Any, ...], dict[str, Any] | None], bool]]:
+    """Each of :data:`_TAKE_GENERATOR`, and how to tell that a call of it draws for the CPU.
+
+    The ops samples call most (a flip's ``torch.rand``, a crop's ``uniform_`` and
+    ``randint``) get a check made for their signature; the others the general one.
+    """
+    t = torch.Tensor
+    methods: tuple[Any, ...] = (t.uniform_, t.normal_, t.random_, t.bernoulli_, t.bernoulli)
+    methods += (t.exponential_, t.geometric_, t.log_normal_, t.cauchy_, t.multinomial)
+    factories = (torch.rand, torch.randn, torch.randint, torch.randperm)
+    routes: dict[Any, Callable[[tuple[Any, ...], dict[str, Any] | None], bool]] = {}
+    for func in _TAKE_GENERATOR:
+        routes[func] = _routable
+    routes.update(dict.fromkeys(methods, _self_on_cpu))
+    routes.update(dict.fromkeys(factories, _made_on_cpu))
+    return routes
+
+
 class _OwnTorch(TorchFunctionMode):
     """Passes this thread's sample generator to torch's random calls that were given none."""
 
@@ -208,21 +250,25 @@ class _OwnTorch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         # Kept short: it runs for every torch call a sample makes, holding the GIL.
-        if func in _TAKE_GENERATOR and (not kwargs or kwargs.get("generator") is None):
-            rng = _here.rng
-            if rng is not None and _routable(args, kwargs or {}):
-                return func(*args, **{**(kwargs or {}), "generator": rng.torch_generator})
+        on_cpu = _ROUTES.get(func)
+        if on_cpu is not None and (rng := _here.rng) is not None:
+            if not kwargs:
+                if on_cpu(args, None):
+                    return func(*args, generator=rng.torch_generator)
+            elif kwargs.get("generator") is None and on_cpu(args, kwargs):
+                return func(*args, **{**kwargs, "generator": rng.torch_generator})
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
-def _routable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _routable(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
     """Whether the sample's generator may be given to this call of a random op.
 
     Not where a generator was given by position; only where the op draws for CPU tensors
     (the sample's generator is a CPU one). Its tensor may come by position or by keyword
     (``nn.init`` passes ``tensor=``); a factory's device is its ``device=``, else torch's
-    default device. Asked at each random call a sample makes: kept to a few checks.
+    default device. The general check, for any op of :data:`_TAKE_GENERATOR`.
     """
+    kwargs = kwargs or {}
     tensor = None
     for value in (*args, *kwargs.values()) if kwargs else args:
         if type(value) in _PLAIN:
@@ -241,6 +287,10 @@ def _routable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 #: Types of arguments that are neither a generator nor a tensor, passed over at once.
 _PLAIN = frozenset((int, float, bool, tuple, list, str, type(None), torch.Size, torch.dtype))
+
+#: How :class:`_OwnTorch` tells, for each op of :data:`_TAKE_GENERATOR`, that a call draws for
+#: the CPU (see :func:`_routes`).
+_ROUTES = _routes()
 
 
 #: Whether :func:`install` replaced ``random``'s functions, and NumPy's (once imported).

@@ -61,10 +61,10 @@ from torch.utils.data import DataLoader
 from .._exceptions import add_note
 from .._exit import ThreadLetGo
 from .._torch_compat import (
+    LoadingThreadInfo,
     answer_worker_info_per_thread,
     auto_collation,
     index_sampler,
-    loading_thread_info,
     pinning_like,
     worker_info_asked,
 )
@@ -253,7 +253,7 @@ class _Fetcher:
             try:
                 try:
                     with (
-                        loading_thread_info(
+                        LoadingThreadInfo(
                             worker=worker.index,
                             workers=self.workers,
                             seed=worker.seed,

@@ -83,10 +83,10 @@ from .._sources.generators import Trial
 from .._sources.global_draws import quiet_after_start
 from .._stacks import stuck_at
 from .._torch_compat import (
+    LoadingThreadInfo,
     answer_worker_info_per_thread,
     auto_collation,
     index_sampler,
-    loading_thread_info,
     pinning_like,
 )
 from .own_draws import SampleRng, install, routed
@@ -502,9 +502,7 @@ class ThreadedEpoch(Iterator[Any]):
                 raise _Dropped  # nobody should take it; one who does learns why (_result)
             rng = SampleRng(seed)
             with (
-                loading_thread_info(
-                    worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng
-                ),
+                LoadingThreadInfo(worker=worker, workers=size, seed=seed, dataset=dataset, rng=rng),
                 routed(rng),  # its global draws too: see the invariants
             ):
                 try:
