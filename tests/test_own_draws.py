@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import sys
@@ -248,6 +249,22 @@ def test_the_samples_generator_goes_to_calls_that_draw_for_the_cpu_only(case: st
         call()
     given = [g for g in passed.generators if g is not None]
     assert ([rng.torch_generator] if on_cpu else []) == given
+
+
+@pytest.mark.parametrize("where", ["a device mode", "a default device"])
+def test_a_factory_made_on_another_default_device_is_left_alone(where: str) -> None:
+    """``torch.rand(2)`` under a meta default set outside the routing: no generator given."""
+    rng = SampleRng(3)
+    around = torch.device("meta") if where == "a device mode" else contextlib.nullcontext()
+    if where == "a default device":
+        torch.set_default_device("meta")
+    try:
+        with around, _Passed() as passed, routed(rng):
+            made = torch.rand(2)
+    finally:
+        torch.set_default_device(None)
+    assert "meta" == made.device.type
+    assert [] == [g for g in passed.generators if g is not None]
 
 
 def test_every_routed_torch_function_has_its_check_of_the_device() -> None:

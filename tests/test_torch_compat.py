@@ -410,7 +410,9 @@ def test_a_bound_get_worker_info_answers_per_loading_thread() -> None:
     Datasets that split shards by worker bind the function so; without the per-thread answer
     every loading thread would read every shard of an IterableDataset.
     """
-    from torch.utils.data import get_worker_info as bound
+    # torch's function object itself, as a dataset module imported before nostall binds it
+    # (``torch.utils.data.get_worker_info`` is nostall's once an earlier test replaced it).
+    bound = torch.utils.data._utils.worker.get_worker_info
 
     answer_worker_info_per_thread()
     seen: list[object] = []
