@@ -61,6 +61,18 @@ class Dropped(Features):
         return nn.functional.dropout(super().__getitem__(i), 0.1)
 
 
+class DroppedLater(Features):
+    """:class:`Dropped`'s draws, but not at a batch's first sample (batches of 4, in order).
+
+    Under threads= the first sample is judged alone and draws nothing: the threads load the
+    others in parallel, and their escaped draws come in the order the threads run.
+    """
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        sample = super().__getitem__(i)
+        return sample if i % 4 == 0 else nn.functional.dropout(sample, 0.1)
+
+
 def mask(batch: list[torch.Tensor]) -> torch.Tensor:
     """Masks a random tenth of the values, as a language-modelling collator masks tokens."""
     stacked = torch.stack(batch)
@@ -179,6 +191,24 @@ def test_under_threads_the_warning_names_what_escapes_and_the_fix() -> None:
     assert "nothing is loaded in parallel or ahead" in message
     assert "F.dropout" in message
     assert "torch.rand/torch.randint" in message
+    assert "may differ from run to run" not in message  # seen at the first sample: none were
+
+
+@pytest.mark.parametrize("timeout", [0, 30], ids=["in-parallel", "in-step-under-timeout"])
+def test_under_threads_draws_seen_after_a_parallel_batch_are_said_to_vary(timeout: int) -> None:
+    """Escaped draws seen only after the threads loaded a batch: the warning says it varies.
+
+    Under a loader ``timeout=`` nothing is loaded on trial (one sample at a time, in order):
+    the same draws on every run, and the warning says nothing of the kind.
+    """
+    source = DataLoader(DroppedLater(), batch_size=4, timeout=timeout)
+    with pytest.warns(GlobalDrawsWarning) as seen:
+        for _ in nostall.prefetch(source, "cpu", threads=2):
+            pass
+    assert __file__ == seen[0].filename
+    message = str(seen[0].message)
+    assert "nothing is loaded in parallel or ahead" in message
+    assert (timeout == 0) == ("may differ from run to run" in message)
 
 
 @pytest.mark.parametrize(

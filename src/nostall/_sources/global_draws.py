@@ -25,7 +25,9 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   fewer than N samples are in flight). Something moved: the rest are fetched after it one at
   a time, in order, in the pulling thread, and the source is in step for good. Nothing is
   ever put back, so a draw made meanwhile by another thread is never drawn twice. Known to
-  draw, its samples are loaded one at a time from then on.
+  draw, its samples are loaded one at a time from then on. Seen only by the pull's own
+  judgement after the threads fetched the rest (a later sample escaped): in step for good
+  too, and the warning says that the batches loaded before drew in the threads' order.
 * A pull is judged: the global generators' states are compared before and after it
   (:mod:`nostall._sources.generators`). An epoch's first pull is judged only where the source is
   known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
@@ -253,6 +255,9 @@ class DrawWatch:
         self._apart_pulls = 0  # pulls since the watch last went APART
         self.was_apart = False  # batches of a source that draws were prefetched
         self._told_ahead = False  # see ahead_of_the_loop
+        self._trial: Trial | None = None  # the last trial handed out (:meth:`trial`)
+        #: Draws escaped samples that the threads had loaded in parallel (see :meth:`pull`).
+        self.escaped_in_parallel = False
         #: (epoch, batches pulled) -> the source's generators' states then (states_after).
         self._after: collections.OrderedDict[tuple[int, int], dict[str, Any]] = (
             collections.OrderedDict()
@@ -306,6 +311,10 @@ class DrawWatch:
             self.drew = drew
             if self.threads is not None:
                 self._to(Watch.DRAWS)  # its samples' draws escaped their own generators
+                # Its first sample was judged clear: the threads loaded the others, their
+                # escaped draws in the threads' order (said in the warning).
+                trial = self._trial
+                self.escaped_in_parallel = trial is not None and trial.drew == ()
         else:
             self.judged += 1
             if self.judged >= JUDGED_PULLS:
@@ -487,7 +496,8 @@ class DrawWatch:
         """
         if self.state is not Watch.WATCHING or (self.threads or 0) < 2 or not self.trials:
             return None
-        return Trial(self.saw)
+        self._trial = Trial(self.saw)
+        return self._trial
 
     def saw(self, drew: tuple[str, ...]) -> None:
         """A trial's samples drew from ``drew``: in step for good, reported at the next pull."""
@@ -515,11 +525,17 @@ class DrawWatch:
                 f"function that takes no generator=, such as F.dropout; a random op on a CUDA "
                 f"tensor; a function bound before nostall started, such as `from random import "
                 f"randint`; the generator object itself), so with threads={self.threads} those "
-                f"draws would come in whatever order the threads run. nostall loads this "
-                f"loader's samples one at a time instead, in your loop's thread and only when "
-                f"the loop asks for a batch: the same draws on every run, but nothing is loaded "
-                f"in parallel or ahead"
+                f"draws would come in whatever order the loading threads and your loop run. "
+                f"nostall loads this loader's samples one at a time instead, in your loop's "
+                f"thread and only when the loop asks for a batch: the same draws on every run "
+                f"from here on, but nothing is loaded in parallel or ahead"
             )
+            if self.escaped_in_parallel:
+                done += (
+                    " (the batches loaded before this was seen had been loaded by the threads "
+                    "in parallel, each batch's first sample drawing nothing: their draws that "
+                    "escaped came in the order the threads ran, and may differ from run to run)"
+                )
             fix = (
                 "To load with threads, draw through torch.rand/torch.randint/torch.randn, "
                 "Tensor.uniform_, random.random or np.random.rand looked up when called (under "
