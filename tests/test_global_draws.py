@@ -211,6 +211,27 @@ def test_under_threads_draws_seen_after_a_parallel_batch_are_said_to_vary(timeou
     assert (timeout == 0) == ("may differ from run to run" in message)
 
 
+def test_a_later_prefetcher_over_a_loader_whose_draws_escaped_loads_in_step_at_once() -> None:
+    """A prefetcher made each epoch: the second loads one sample at a time from its first batch.
+
+    Its first batch is then the same on every run (not loaded in parallel to find out again),
+    and its warning says where the draws were seen, without the "may differ" of the first.
+    """
+    source = DataLoader(DroppedLater(), batch_size=4)
+    messages = []
+    for _ in range(2):
+        prefetcher = nostall.prefetch(source, "cpu", threads=2)
+        with pytest.warns(GlobalDrawsWarning) as seen:
+            for _ in prefetcher:
+                pass
+        messages.append(str(seen[0].message))
+    assert "may differ from run to run" in messages[0]
+    assert "may differ from run to run" not in messages[1]
+    assert "seen by an earlier prefetcher over this DataLoader" in messages[1]
+    other = nostall.prefetch(DataLoader(DroppedLater(), batch_size=4), "cpu", threads=2)
+    assert other._lineage.epochs.draws.trial() is not None  # another loader: judged anew
+
+
 @pytest.mark.parametrize(
     ("collate", "generator"), [(python_noise, PYTHON), (numpy_noise, NUMPY)], ids=["random", "np"]
 )

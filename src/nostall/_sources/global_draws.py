@@ -28,6 +28,8 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   draw, its samples are loaded one at a time from then on. Seen only by the pull's own
   judgement after the threads fetched the rest (a later sample escaped): in step for good
   too, and the warning says that the batches loaded before drew in the threads' order.
+  Either way the DataLoader is remembered (:data:`_ESCAPING`): a later prefetcher over it (one
+  made each epoch) loads its samples one at a time from its first batch.
 * A pull is judged: the global generators' states are compared before and after it
   (:mod:`nostall._sources.generators`). An epoch's first pull is judged only where the source is
   known to draw nothing when it starts (a ``DataLoader`` whose sampler is sequential or has a
@@ -75,10 +77,12 @@ the loop: inside an epoch it holds the source's as after its last batch
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import random
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -274,6 +278,14 @@ class DrawWatch:
         #: An epoch's first pull can be judged: nothing but the user's per-batch code can draw
         #: in it (then prefetching starts after the very first batch, as without the watch).
         self.first_judged = _quiet_start(kind)
+        #: Under threads=, the DataLoader whose samples load here (see :data:`_ESCAPING`).
+        self._loader = kind.inner if threads is not None else None
+        #: Its samples' escaping draws were seen by an earlier prefetcher over it.
+        self.remembered = False
+        escaped = _escaping(self._loader)
+        if escaped and self.state is Watch.WATCHING:
+            self.drew, self.remembered = escaped, True
+            self._to(Watch.DRAWS)  # one sample at a time from the first: the same every run
 
     def pull(
         self,
@@ -315,6 +327,7 @@ class DrawWatch:
                 # escaped draws in the threads' order (said in the warning).
                 trial = self._trial
                 self.escaped_in_parallel = trial is not None and trial.drew == ()
+                _remember_escaping(self._loader, drew)
         else:
             self.judged += 1
             if self.judged >= JUDGED_PULLS:
@@ -504,6 +517,7 @@ class DrawWatch:
         if self.state is Watch.WATCHING:
             self.drew = drew
             self._to(Watch.DRAWS)
+            _remember_escaping(self._loader, drew)
 
     def report(self) -> None:
         """Warn once, at the user's line, that the source draws (loop's thread, after a pull)."""
@@ -563,6 +577,8 @@ class DrawWatch:
         if self.threads is None and is_timm_prefetch_loader(self.kind.source):
             fix = f"{TIMM_FIX}. {fix}"
         seen = "seen while loading a batch; another thread of yours drawing then looks the same"
+        if self.remembered:
+            seen = f"seen by an earlier prefetcher over this DataLoader; {seen.split('; ')[1]}"
         if self.caught is not None and self.threads is None:
             done = (
                 f"and so does your loop: it drew from {self.caught} (your step, or another "
@@ -577,6 +593,28 @@ class DrawWatch:
                     "possibly the next, drew in another order than without nostall)"
                 )
         return f"nostall: {who} draws from {what} ({seen}), {done}. {fix}."
+
+
+#: DataLoaders whose samples' draws escaped their own generators under ``threads=``, and from
+#: what: a later prefetcher over one (a prefetcher made each epoch) loads its samples one at a
+#: time from its first batch, instead of loading its first batch in parallel to find out again.
+_ESCAPING: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _escaping(loader: Any) -> tuple[str, ...]:
+    """What ``loader``'s samples were seen drawing from, past the routing (none: not seen)."""
+    if loader is None:
+        return ()
+    try:
+        return _ESCAPING.get(loader, ())
+    except TypeError:  # not hashable, or no weak reference to it
+        return ()
+
+
+def _remember_escaping(loader: Any, drew: tuple[str, ...]) -> None:
+    if loader is not None:
+        with contextlib.suppress(TypeError):
+            _ESCAPING[loader] = drew
 
 
 def quiet_after_start(loader: Any) -> bool:
