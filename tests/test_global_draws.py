@@ -232,6 +232,82 @@ def test_a_later_prefetcher_over_a_loader_whose_draws_escaped_loads_in_step_at_o
     assert other._lineage.epochs.draws.trial() is not None  # another loader: judged anew
 
 
+class DroppedAfterFirst(Features):
+    """:class:`Dropped`'s draws at every call but the very first one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+        sample = super().__getitem__(i)
+        return sample if first else nn.functional.dropout(sample, 0.1)
+
+
+def test_draws_seen_at_a_trial_after_an_unjudged_parallel_batch_are_said_to_vary() -> None:
+    """A shuffle drawn at the epoch's start leaves its first pull unjudged, loaded in parallel.
+
+    The second batch's first sample is seen drawing: the first batch's escaped draws had come
+    in the threads' order, and the warning says so.
+    """
+    source = DataLoader(DroppedAfterFirst(), batch_size=4, shuffle=True)
+    with pytest.warns(GlobalDrawsWarning) as seen:
+        for _ in nostall.prefetch(source, "cpu", threads=2):
+            pass
+    assert "may differ from run to run" in str(seen[0].message)
+
+
+class ShufflingBatches(Sampler[list[int]]):
+    """Batches of 4 in an order drawn per batch from Python's random, in the loop's thread."""
+
+    def __len__(self) -> int:
+        return SAMPLES // 4
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, SAMPLES, 4):
+            batch = list(range(start, start + 4))
+            random.shuffle(batch)
+            yield batch
+
+
+def test_a_batch_sampler_drawing_per_batch_is_not_said_to_vary_nor_remembered() -> None:
+    """Its draws come in the loop's thread before the samples: in order, not the samples'."""
+    source = DataLoader(Features(), batch_sampler=ShufflingBatches())
+    with pytest.warns(GlobalDrawsWarning) as seen:
+        for _ in nostall.prefetch(source, "cpu", threads=2):
+            pass
+    assert "may differ from run to run" not in str(seen[0].message)
+    later = nostall.prefetch(source, "cpu", threads=2)
+    assert not later._lineage.epochs.draws.remembered
+
+
+def test_a_loader_seen_escaping_at_a_first_sample_is_remembered_for_threads_only() -> None:
+    """Seen by a trial's first sample: remembered; a prefetcher without threads judges anew."""
+    source = loader(Dropped())
+    with pytest.warns(GlobalDrawsWarning):
+        for _ in nostall.prefetch(source, "cpu", threads=2):
+            pass
+    assert nostall.prefetch(source, "cpu", threads=2)._lineage.epochs.draws.remembered
+    without = nostall.prefetch(source, "cpu")._lineage.epochs.draws
+    assert (False, Watch.WATCHING) == (without.remembered, without.state)
+
+
+def test_draws_of_the_transform_given_to_nostall_are_not_held_against_the_loader() -> None:
+    """An escaping transform=: the loader is not remembered (a later prefetcher judges anew)."""
+    source = DataLoader(Features(), batch_size=4)
+    noisy = nostall.prefetch(
+        source, "cpu", threads=2, transform=lambda b: nn.functional.dropout(b, 0.1)
+    )
+    with pytest.warns(GlobalDrawsWarning):
+        for _ in noisy:
+            pass
+    assert not nostall.prefetch(source, "cpu", threads=2)._lineage.epochs.draws.remembered
+
+
 @pytest.mark.parametrize(
     ("collate", "generator"), [(python_noise, PYTHON), (numpy_noise, NUMPY)], ids=["random", "np"]
 )

@@ -128,17 +128,26 @@ class Trial:
         * Judged once; later calls give the same answer.
     """
 
-    def __init__(self, on_draws: Callable[[tuple[str, ...]], None]) -> None:
+    def __init__(
+        self,
+        on_draws: Callable[[tuple[str, ...]], None],
+        on_clear: Callable[[], None] = lambda: None,
+    ) -> None:
         self.before = snapshot()
-        self.on_draws = on_draws
+        self.on_draws, self.on_clear = on_draws, on_clear
         self.drew: tuple[str, ...] | None = None  # None: not judged yet
 
     def judge(self) -> tuple[str, ...]:
-        """The generators the first sample drew from (none: it drew nothing)."""
+        """The generators the first sample drew from (none: it drew nothing).
+
+        Judged clear, ``on_clear()`` is called: the threads load the batch's other samples.
+        """
         if self.drew is None:
             self.drew = moved(self.before, snapshot())
             if self.drew:
                 self.on_draws(self.drew)
+            else:
+                self.on_clear()
         return self.drew
 
 

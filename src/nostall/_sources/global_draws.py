@@ -260,6 +260,8 @@ class DrawWatch:
         self.was_apart = False  # batches of a source that draws were prefetched
         self._told_ahead = False  # see ahead_of_the_loop
         self._trial: Trial | None = None  # the last trial handed out (:meth:`trial`)
+        #: A trial was judged clear: the threads loaded samples in parallel (:meth:`_cleared`).
+        self._in_parallel = False
         #: Draws escaped samples that the threads had loaded in parallel (see :meth:`pull`).
         self.escaped_in_parallel = False
         #: (epoch, batches pulled) -> the source's generators' states then (states_after).
@@ -318,16 +320,20 @@ class DrawWatch:
         message = self._counted(pull)
         if self.drew:
             return message  # a trial of its samples saw them draw (:meth:`saw`)
-        drew = moved(before, snapshot())
+        after = snapshot()
+        drew = moved(before, after)
         if drew:
             self.drew = drew
             if self.threads is not None:
                 self._to(Watch.DRAWS)  # its samples' draws escaped their own generators
-                # Its first sample was judged clear: the threads loaded the others, their
-                # escaped draws in the threads' order (said in the warning).
+                # Moved after a trial's first sample was judged clear: by the samples the
+                # threads loaded, in their order (said in the warning). Before the trial began
+                # (a batch sampler that draws, in this thread), the draws were in order.
                 trial = self._trial
-                self.escaped_in_parallel = trial is not None and trial.drew == ()
-                _remember_escaping(self._loader, drew)
+                if trial is not None and trial.drew == () and moved(trial.before, after):
+                    self.escaped_in_parallel = True
+                    if not self.transform:  # else perhaps the transform's, not the loader's
+                        _remember_escaping(self._loader, drew)
         else:
             self.judged += 1
             if self.judged >= JUDGED_PULLS:
@@ -509,15 +515,22 @@ class DrawWatch:
         """
         if self.state is not Watch.WATCHING or (self.threads or 0) < 2 or not self.trials:
             return None
-        self._trial = Trial(self.saw)
+        self._trial = Trial(self.saw, self._cleared)
         return self._trial
+
+    def _cleared(self) -> None:
+        """A trial's first sample drew nothing: the threads load the rest of its batches."""
+        self._in_parallel = True
 
     def saw(self, drew: tuple[str, ...]) -> None:
         """A trial's samples drew from ``drew``: in step for good, reported at the next pull."""
         if self.state is Watch.WATCHING:
             self.drew = drew
             self._to(Watch.DRAWS)
-            _remember_escaping(self._loader, drew)
+            # Batches loaded in parallel before (an epoch's first pull, not judged) may have
+            # drawn in the threads' order.
+            self.escaped_in_parallel = self._in_parallel
+            _remember_escaping(self._loader, drew)  # a sample's own draw, seen alone
 
     def report(self) -> None:
         """Warn once, at the user's line, that the source draws (loop's thread, after a pull)."""
