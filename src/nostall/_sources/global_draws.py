@@ -28,7 +28,8 @@ What a prefetcher does about it (one :class:`DrawWatch` per prefetcher, decided 
   draw, its samples are loaded one at a time from then on. Seen only by the pull's own
   judgement after the threads fetched the rest (a later sample escaped): in step for good
   too, and the warning says that the batches loaded before drew in the threads' order.
-  Either way the DataLoader is remembered (:data:`_ESCAPING`): a later prefetcher over it (one
+  Where the draws were its samples' (not a ``transform=``'s, nor a batch sampler's before the
+  trial), the DataLoader is remembered (:data:`_ESCAPING`): a later prefetcher over it (one
   made each epoch) loads its samples one at a time from its first batch.
 * A pull is judged: the global generators' states are compared before and after it
   (:mod:`nostall._sources.generators`). An epoch's first pull is judged only where the source is
