@@ -61,6 +61,10 @@ class Dropped(Features):
         return nn.functional.dropout(super().__getitem__(i), 0.1)
 
 
+#: The line of :class:`Dropped`'s draw, as the warning names it.
+DROPPED_LINE = Dropped.__getitem__.__code__.co_firstlineno + 1
+
+
 class DroppedLater(Features):
     """:class:`Dropped`'s draws, but not at a batch's first sample (batches of 4, in order).
 
@@ -192,6 +196,7 @@ def test_under_threads_the_warning_names_what_escapes_and_the_fix() -> None:
     assert "F.dropout" in message
     assert "torch.rand/torch.randint" in message
     assert "may differ from run to run" not in message  # seen at the first sample: none were
+    assert f"one such call: F.dropout at {__file__}:{DROPPED_LINE}, in a loading thread" in message
 
 
 @pytest.mark.parametrize("timeout", [0, 30], ids=["in-parallel", "in-step-under-timeout"])

@@ -16,7 +16,15 @@ import torch
 
 from nostall._loading import own_draws
 from nostall._loading.own_draws import SampleRng, current, install, routed
-from nostall._sources.generators import NUMPY, PYTHON, TORCH, moved, snapshot
+from nostall._sources.generators import (
+    NUMPY,
+    PYTHON,
+    TORCH,
+    escape_since,
+    escapes_noted,
+    moved,
+    snapshot,
+)
 from nostall._torch_compat import PRIVATE_SAMPLERS
 
 #: Each routed torch entry point, called as a transform calls it, with ``generator=`` where
@@ -269,7 +277,20 @@ def test_a_factory_made_on_another_default_device_is_left_alone(where: str) -> N
 
 def test_every_routed_torch_function_has_its_check_of_the_device() -> None:
     """The quick checks cover exactly the routed functions; a missing one is never routed."""
-    assert own_draws._TAKE_GENERATOR == set(own_draws._ROUTES)
+    routed_ones = {f for f in own_draws._ROUTES if f not in own_draws._NO_GENERATOR}
+    assert own_draws._TAKE_GENERATOR == routed_ones
+
+
+@pytest.mark.parametrize("call", ["dropout", "dropout2d", "alpha_dropout", "rrelu"])
+def test_a_draw_without_generator_is_noted_with_the_callers_line(call: str) -> None:
+    """Not routed (the global generator moves), but noted: what was called, and where."""
+    before, count = snapshot(), escapes_noted()
+    with routed(SampleRng(1)):
+        getattr(torch.nn.functional, call)(-torch.ones(1, 2, 4, 4), training=True)
+        line = sys._getframe().f_lineno - 1
+    assert (TORCH,) == moved(before, snapshot())
+    assert f"F.{call} at {__file__}:{line}" == escape_since(count)
+    assert "" == escape_since(escapes_noted())  # none since
 
 
 def test_the_routing_functions_pickle_as_the_originals_do() -> None:

@@ -27,8 +27,10 @@ The module functions of ``random`` and ``np.random`` are replaced, process-wide 
 functions that pass through to the originals outside a routed thread (:func:`install`; NumPy's
 once it is imported). What is left out draws from the global generators, and a trial sees it
 (:mod:`nostall._sources.global_draws`: the samples are then loaded one at a time, in order, and
-a warning names the generator): torch functions that take no generator (``F.dropout``, the
-``torch.distributions`` samplers that call C++ samplers), a random op on a CUDA tensor, a
+a warning names the generator, and for the dropouts of :data:`_NO_GENERATOR`, noted as they
+are called, one such call and its line): torch functions that take no generator
+(``F.dropout``, the ``torch.distributions`` samplers that call C++ samplers), a random op on
+a CUDA tensor, a
 function bound before :func:`install` ran (``from random import randint`` at import time), and
 code that holds the generators themselves (``torch.default_generator``,
 ``np.random.mtrand._rand``). Generators of the user's own (``torch.Generator``, ``random.Random``,
@@ -38,6 +40,7 @@ code that holds the generators themselves (``torch.default_generator``,
 from __future__ import annotations
 
 import functools
+import os
 import random
 import sys
 import threading
@@ -46,8 +49,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._sources.generators import note_escape
 from .._torch_compat import PRIVATE_SAMPLERS, default_device_is_cpu
 
 
@@ -236,7 +241,40 @@ def _routes() -> dict[Any, Callable[[tuple[Any, ...], dict[str, Any] | None], bo
         routes[func] = _routable
     routes.update(dict.fromkeys(methods, _self_on_cpu))
     routes.update(dict.fromkeys(factories, _made_on_cpu))
+    for func in _NO_GENERATOR:
+        routes[func] = _noting(f"F.{func.__name__}")
     return routes
+
+
+#: torch's functions that draw from the global generator and take no ``generator=``: never
+#: routed, but each call in a sample is noted with its caller's line, which the warning about
+#: draws that escape names (:func:`nostall._sources.generators.note_escape`).
+_NO_GENERATOR: tuple[Any, ...] = (
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    F.rrelu,
+)
+
+#: Where torch's and nostall's own code lives: the caller named is the first frame outside.
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _noting(name: str) -> Callable[[tuple[Any, ...], dict[str, Any] | None], bool]:
+    """A check that routes nothing and notes ``name``'s call with its caller's file and line."""
+
+    def noted(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+            frame = frame.f_back  # type: ignore[assignment]
+        where = "" if frame is None else f" at {frame.f_code.co_filename}:{frame.f_lineno}"
+        note_escape(f"{name}{where}")
+        return False
+
+    return noted
 
 
 class _OwnTorch(TorchFunctionMode):

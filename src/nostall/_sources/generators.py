@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -110,6 +111,29 @@ class HandBack(Saved):
         if not self.done:
             self.done, self.drew = True, not torch.equal(torch.get_rng_state(), self.since)
             self.put_back()
+
+
+#: The last call seen drawing past a sample's own generators in a loading thread: (a count of
+#: such calls noted in the process, what was called and where), for the warning to name.
+_escape: list[tuple[int, str]] = [(0, "")]
+_escape_lock = threading.Lock()
+
+
+def note_escape(call: str) -> None:
+    """A loading thread's sample made ``call`` (what, and where), which draws past its routing."""
+    with _escape_lock:
+        _escape[0] = (_escape[0][0] + 1, call)
+
+
+def escapes_noted() -> int:
+    """How many escaping calls were noted so far (to tell later ones by)."""
+    return _escape[0][0]
+
+
+def escape_since(count: int) -> str:
+    """The last escaping call noted after the ``count``-th (empty: none since)."""
+    noted, call = _escape[0]
+    return call if noted > count else ""
 
 
 class Trial:

@@ -103,7 +103,16 @@ from torch.utils.data import (
 from .._clients.timm import TIMM_FIX, is_timm_prefetch_loader
 from .._torch_compat import index_sampler
 from .._warn import warn
-from .generators import TORCH, Snapshot, Trial, moved, snapshot, states_of
+from .generators import (
+    TORCH,
+    Snapshot,
+    Trial,
+    escape_since,
+    escapes_noted,
+    moved,
+    snapshot,
+    states_of,
+)
 from .sources import SourceKind
 
 M = TypeVar("M")
@@ -261,6 +270,8 @@ class DrawWatch:
         self.was_apart = False  # batches of a source that draws were prefetched
         self._told_ahead = False  # see ahead_of_the_loop
         self._trial: Trial | None = None  # the last trial handed out (:meth:`trial`)
+        #: Escaping calls noted in loading threads before this watch began (see :meth:`message`).
+        self._escapes_before = escapes_noted()
         #: A trial was judged clear: the threads loaded samples in parallel (:meth:`_cleared`).
         self._in_parallel = False
         #: Draws escaped samples that the threads had loaded in parallel (see :meth:`pull`).
@@ -593,6 +604,9 @@ class DrawWatch:
         seen = "seen while loading a batch; another thread of yours drawing then looks the same"
         if self.remembered:
             seen = f"seen by an earlier prefetcher over this DataLoader; {seen.split('; ')[1]}"
+        call = escape_since(self._escapes_before) if self.threads is not None else ""
+        if call:
+            seen += f"; one such call: {call}, in a loading thread"
         if self.caught is not None and self.threads is None:
             done = (
                 f"and so does your loop: it drew from {self.caught} (your step, or another "
