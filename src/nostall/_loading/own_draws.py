@@ -260,7 +260,10 @@ _NO_GENERATOR: tuple[Any, ...] = (
 )
 
 #: Where torch's and nostall's own code lives: the caller named is the first frame outside.
-_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+#: (With the separator: torchvision's or torchdata's folder is not torch's.)
+_LIBRARIES = tuple(
+    os.path.join(os.path.dirname(path), "") for path in (torch.__file__, os.path.dirname(__file__))
+)
 
 
 def _noting(name: str) -> Callable[[tuple[Any, ...], dict[str, Any] | None], bool]:
