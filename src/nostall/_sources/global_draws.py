@@ -601,9 +601,12 @@ class DrawWatch:
             )
         if self.threads is None and is_timm_prefetch_loader(self.kind.source):
             fix = f"{TIMM_FIX}. {fix}"
-        seen = "seen while loading a batch; another thread of yours drawing then looks the same"
-        if self.remembered:
-            seen = f"seen by an earlier prefetcher over this DataLoader; {seen.split('; ')[1]}"
+        where = (
+            "by an earlier prefetcher over this DataLoader"
+            if self.remembered
+            else "while loading a batch"
+        )
+        seen = f"seen {where}; another thread of yours drawing then looks the same"
         call = escape_since(self._escapes_before) if self.threads is not None else ""
         if call:
             seen += f"; one such call: {call}, in a loading thread"
